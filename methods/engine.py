@@ -1,0 +1,201 @@
+"""The shared decoding loop and the lossless tree-verification engine.
+
+Every method runs through :meth:`Engine.generate`: prefill, then steps until EOS or
+``max_new_tokens``. A step feeds ``[root, draft nodes, extras]`` to the model in one forward with a
+tree attention mask and ``position_ids = prefix length + depth``, accepts the longest root-to-leaf
+path whose every token equals the model's argmax at its parent (ties: the first in BFS order),
+appends the bonus token (the argmax after the last accepted node), keeps the accepted nodes' KV
+entries in place and drops the rest. With no draft this is plain greedy decoding, one token per
+forward: the baseline.
+
+Greedy verification makes the output identical to greedy decoding whatever the drafter proposes,
+up to floating-point: exact in float32; in half precision a batched forward can flip near-tie
+argmaxes, which the analysis stage reports rather than hides.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from methods.drafter import Drafter, Step
+from methods.tree import Draft, TreeShape, chain
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room for generation within the model's context length."""
+
+
+@dataclass
+class Generation:
+    """The outcome of one generation (one turn)."""
+
+    output_ids: list[int]  # new tokens, EOS included when generated
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per decode forward (bonus included)
+    prefill_time: float = 0.0  # seconds: prefill forward and first token
+    decode_time: float = 0.0  # seconds: all decode steps
+
+    @property
+    def wall_time(self) -> float:
+        return self.prefill_time + self.decode_time
+
+    @property
+    def decoding_steps(self) -> int:
+        return len(self.accept_lengths)
+
+
+class Engine:
+    """Verifies draft trees against a Hugging Face causal LM (batch size 1, greedy)."""
+
+    def __init__(self, model: PreTrainedModel, eos_token_ids: set[int], max_length: int | None = None):
+        self.model = model
+        self.eos = frozenset(eos_token_ids)
+        config = model.config.get_text_config()
+        self.max_length = max_length or getattr(config, "max_position_embeddings", None)
+        self.device = model.device
+        self.dtype = model.dtype
+        self._min = torch.finfo(self.dtype).min
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        unknown = layer_types - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise NotImplementedError(f"draftbench's tree masks support full and sliding attention, not {sorted(unknown)}")
+        # Sliding-window layers get their own windowed mask; every layer's cache keeps the whole
+        # prefix (a plain DynamicLayer), so accepted entries can always be gathered into place.
+        self.window = config.sliding_window if "sliding_attention" in layer_types else None
+        self._mask = torch.zeros(0, 0, dtype=self.dtype, device=self.device)  # zero outside the live block
+        self._root = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int) -> Generation:
+        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids``, verifying ``drafter``'s drafts."""
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if self.max_length is not None and len(prompt_ids) + max_new_tokens > self.max_length:
+            raise PromptTooLong(
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                f"context of {self.max_length} tokens"
+            )
+        cache = DynamicCache()
+        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        self._sync()
+        start = time.perf_counter()
+        out = self.model(
+            input_ids=prompt[None],
+            use_cache=True,
+            logits_to_keep=0 if drafter.needs_prefill_logits else 1,
+            **{self._cache_kw: cache},
+        )
+        logits = out.logits[0]
+        first = int(logits[-1].argmax())
+        drafter.reset(prompt, logits if drafter.needs_prefill_logits else None)
+        self._sync()
+        gen = Generation(output_ids=[first])
+        gen.prefill_time = time.perf_counter() - start
+
+        ids = list(prompt_ids) + [first]
+        start = time.perf_counter()
+        while first not in self.eos and len(gen.output_ids) < max_new_tokens:
+            draft = drafter.propose(ids)
+            step = self._verify(ids[-1], len(ids) - 1, draft, cache, drafter.needs_hidden_states)
+            emitted = self._stop(step.emitted, max_new_tokens - len(gen.output_ids))
+            step.emitted = emitted
+            gen.output_ids += emitted
+            gen.accept_lengths.append(len(emitted))
+            ids += emitted
+            drafter.observe(step)
+            if emitted[-1] in self.eos:
+                break
+        self._sync()
+        gen.decode_time = time.perf_counter() - start
+        return gen
+
+    def _stop(self, emitted: list[int], room: int) -> list[int]:
+        """Cut a step's tokens after the first EOS and at the token budget, exactly as the baseline."""
+        emitted = emitted[:room]
+        for i, token in enumerate(emitted):
+            if token in self.eos:
+                return emitted[: i + 1]
+        return emitted
+
+    def _verify(self, root: int, position: int, draft: Draft | None, cache: DynamicCache, hidden: bool) -> Step:
+        shape: TreeShape = draft.shape if draft is not None else chain(0)
+        buf = shape.buffers(self.device, self.dtype)
+        self._root.fill_(root)
+        block = self._root if draft is None else torch.cat([self._root, draft.tokens])  # [size]
+        size, n1 = shape.size, shape.n_nodes
+        out = self.model(
+            input_ids=block[None],
+            position_ids=(buf.depths + position)[None],
+            attention_mask=None if shape.is_chain else self._attention_mask(shape, buf.mask_block, position),
+            use_cache=True,
+            output_hidden_states=hidden,
+            **{self._cache_kw: cache},
+        )
+        if not shape.is_chain:
+            self._mask[:size, position : position + size] = 0  # restore the all-zero invariant
+        logits = out.logits[0]  # [size, V]
+        pred = logits.argmax(-1)  # [size]
+
+        # A node is correct when its token is the argmax at its parent; it is accepted when it and all
+        # its ancestors are correct. The deepest accepted node wins, the first in BFS order on ties.
+        correct = torch.ones(n1, dtype=torch.bool, device=self.device)
+        correct[1:] = block[1:n1] == pred[buf.parents]
+        accepted = ~(buf.ancestors & ~correct).any(-1)  # [n1]
+        best = torch.where(accepted, buf.depths[:n1], -1).argmax()
+        picked = torch.cat([best[None], block[buf.paths[best]], pred[best][None]]).tolist()  # the one host sync
+        best_i = picked[0]
+        length = shape.depth_list[best_i] + 1  # root + accepted nodes
+        path = buf.paths[best_i, :length]
+        self._keep(cache, position, path, length, contiguous=shape.paths[best_i][-1] == length - 1)
+        return Step(
+            position=position,
+            shape=shape,
+            tokens=block,
+            logits=logits,
+            predictions=pred,
+            accepted=path,
+            emitted=picked[2 : 1 + length] + [picked[-1]],
+            hidden_states=out.hidden_states[-1][0] if hidden else None,
+        )
+
+    def _attention_mask(self, shape: TreeShape, block_mask: torch.Tensor, position: int) -> torch.Tensor | dict:
+        """Additive float mask [1, 1, size, position + size]: the prefix is visible, the block is the tree's."""
+        size = shape.size
+        width = position + size
+        if self._mask.shape[0] < size or self._mask.shape[1] < width:
+            rows, cols = max(size, self._mask.shape[0]), max(2 * width, self._mask.shape[1])
+            self._mask = torch.zeros(rows, cols, dtype=self.dtype, device=self.device)
+        self._mask[:size, position:width] = block_mask
+        mask = self._mask[None, None, :size, :width]
+        if self.window is None:
+            return mask
+        return {"full_attention": mask, "sliding_attention": self._sliding(mask, shape, position)}
+
+    def _sliding(self, mask: torch.Tensor, shape: TreeShape, position: int) -> torch.Tensor:
+        """Block keys that fall outside each query's window (query position - key position >= window)."""
+        depths = shape.buffers(self.device, self.dtype).depths
+        if position + max(shape.depth_list) < self.window:
+            return mask
+        keys = torch.arange(mask.shape[-1], device=self.device)
+        outside = keys[None, :] <= (position + depths)[:, None] - self.window  # block keys sit inside the window
+        return mask.masked_fill(outside[None, None], self._min)
+
+    @staticmethod
+    def _keep(cache: DynamicCache, position: int, path: torch.Tensor, length: int, contiguous: bool) -> None:
+        """Keep the accepted path's KV entries at positions ``position ..`` and drop the rest of the block."""
+        end = position + length
+        for layer in cache.layers:
+            if not contiguous:
+                layer.keys[:, :, position:end] = layer.keys[:, :, position + path]
+                layer.values[:, :, position:end] = layer.values[:, :, position + path]
+            layer.keys = layer.keys[:, :, :end]
+            layer.values = layer.values[:, :, :end]

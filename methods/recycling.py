@@ -1,0 +1,102 @@
+"""Token Recycling (Luo et al., 2024, arXiv 2408.08696): a training-free drafter.
+
+It keeps an adjacency matrix ``M`` [V, k]: row ``t`` holds the top-k next tokens the model predicted
+the last time ``t`` was an input of a verification forward. A static tree template (rank paths)
+is filled breadth-first from ``M`` (node token = ``M[parent token, node rank]``), verified by the
+engine, and the fresh top-k at every block position overwrite the rows of those positions' tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+
+from methods.drafter import Drafter, Step
+from methods.tree import Draft, from_rank_paths, load_template
+
+
+class TokenRecycling(Drafter):
+    """The Token Recycling drafter.
+
+    ``start="hot"`` (as published) keeps the matrix across questions and turns; ``start="cold"``
+    clears it at every generation and seeds it from the prompt's prefill logits.
+
+    When a token occurs at several block positions of one step, one write wins, deterministically:
+    a position on the accepted path beats one off it (its context is the true one); among equals the
+    later position in block order wins (the more recent context).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        tree: str | Sequence[Sequence[int]] = "paper",
+        k: int = 8,
+        start: Literal["hot", "cold"] = "hot",
+    ):
+        if start not in ("hot", "cold"):
+            raise ValueError(f"method.start must be 'hot' or 'cold', got {start!r}")
+        if k < 1:
+            raise ValueError(f"method.k must be at least 1, got {k}")
+        self.shape, ranks = from_rank_paths(load_template(tree) if isinstance(tree, str) else tree)
+        if int(ranks.max()) >= k:
+            raise ValueError(f"the tree template uses rank {int(ranks.max())}, but the matrix keeps only k={k} successors")
+        super().__init__(vocab_size, device)
+        self.k, self.start = k, start
+        self.needs_prefill_logits = start == "cold"
+        index_dtype = torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
+        # One scratch row at index V absorbs the writes that lose a tie (see _write).
+        self.matrix = torch.zeros(vocab_size + 1, k, dtype=index_dtype, device=self.device)  # [V+1, k]
+        self._tokens = torch.zeros(self.shape.n_nodes, dtype=torch.long, device=self.device)  # [root, nodes]
+        # One (parents, ranks, slice) triple per depth: the BFS fill is one gather per depth.
+        depths = torch.tensor(self.shape.depth_list[1:])
+        parents = torch.tensor(self.shape.parents)
+        self._levels = []
+        for d in range(1, int(depths.max()) + 1):
+            idx = (depths == d).nonzero().flatten()
+            first, last = int(idx[0]) + 1, int(idx[-1]) + 2
+            self._levels.append((parents[idx].to(self.device), ranks[idx].to(self.device), slice(first, last)))
+
+    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
+        if self.start == "cold":
+            self.matrix.zero_()
+            self._write(prompt, prefill_logits, priority=torch.arange(len(prompt), device=prompt.device))
+
+    def propose(self, ids: list[int]) -> Draft:
+        tokens = self._tokens
+        tokens[0] = ids[-1]
+        for parents, ranks, nodes in self._levels:
+            tokens[nodes] = self.matrix[tokens[parents], ranks].long()
+        return Draft(tokens[1:], self.shape)
+
+    def observe(self, step: Step) -> None:
+        n1 = step.shape.n_nodes
+        priority = torch.arange(n1, device=step.tokens.device)
+        priority[step.accepted] += n1
+        self._write(step.tokens[:n1], step.logits[:n1], priority)
+
+    def _write(self, tokens: torch.Tensor, logits: torch.Tensor, priority: torch.Tensor) -> None:
+        """``M[tokens[i]] = topk(logits[i])``, the highest-priority position winning per token.
+
+        Losing positions are redirected to the scratch row, so the write needs no host sync.
+        """
+        top = logits.topk(self.k, dim=-1).indices.to(self.matrix.dtype)  # [n, k]
+        same = tokens[:, None] == tokens[None, :]  # [n, n]
+        beaten = (same & (priority[None, :] > priority[:, None])).any(-1)  # [n]
+        self.matrix[torch.where(beaten, self.vocab_size, tokens)] = top
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"matrix": self.matrix} if self.start == "hot" else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.matrix.copy_(state["matrix"])
+
+    def describe(self) -> dict:
+        return {
+            "matrix_shape": [self.vocab_size, self.k],
+            "matrix_dtype": str(self.matrix.dtype).removeprefix("torch."),
+            "matrix_bytes": self.vocab_size * self.k * self.matrix.element_size(),
+            "tree_nodes": self.shape.n_nodes - 1,
+            "tree_depth": max(self.shape.depth_list),
+        }
