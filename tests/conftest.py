@@ -8,6 +8,10 @@ from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, Llama
 
 VOCAB = 64
 
+# One thread: these machines are shared, and torch's OpenMP threads slow down by orders of magnitude when
+# another process competes for the cores; the tests assert behaviour, never speed.
+torch.set_num_threads(1)
+
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)

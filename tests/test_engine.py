@@ -1,0 +1,166 @@
+"""The verification engine is lossless: whatever is drafted, the output is greedy decoding's."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import VOCAB, tiny_gemma3, tiny_llama
+from methods.drafter import Drafter, Step
+from methods.engine import Engine, PromptTooLong
+from methods.tree import Draft, TreeShape
+
+MODELS = {"llama": tiny_llama(), "gemma3": tiny_gemma3(sliding_window=8)}  # contexts below cross the window
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Reference: transformers' own greedy generate, token by token."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+class RandomTrees(Drafter):
+    """Random tree shapes each step; each node is the true continuation with probability ``hit``
+    (knowing the reference), so deep and branching paths get accepted, non-contiguously."""
+
+    def __init__(self, reference: list[int], prompt_len: int, seed: int, hit: float = 0.6, extras: bool = False):
+        super().__init__(VOCAB)
+        self.reference, self.prompt_len, self.extras = reference, prompt_len, extras
+        self.rng, self.hit = random.Random(seed), hit
+        self.steps: list[Step] = []
+
+    def propose(self, ids):
+        done = len(ids) - self.prompt_len
+        n = self.rng.randrange(0, 12)
+        parents, tokens, depth = [], [], [0]
+        for i in range(1, n + 1):
+            p = self.rng.randrange(0, i)
+            parents.append(p)
+            depth.append(depth[p] + 1)
+            truth = self.reference[done + depth[i] - 1] if done + depth[i] - 1 < len(self.reference) else 0
+            tokens.append(truth if self.rng.random() < self.hit else self.rng.randrange(VOCAB))
+        m = self.rng.randrange(0, 4) if self.extras else 0
+        extra_depths = tuple(self.rng.randrange(1, 5) for _ in range(m))
+        size = n + 1 + m
+        extra_visible = tuple(tuple(sorted(self.rng.sample(range(size), self.rng.randrange(0, size)))) for _ in range(m))
+        tokens += [self.rng.randrange(VOCAB) for _ in range(m)]
+        return Draft(torch.tensor(tokens, dtype=torch.long), TreeShape(tuple(parents), extra_depths, extra_visible))
+
+    def observe(self, step):
+        self.steps.append(step)
+
+
+class Oracle(Drafter):
+    """Proposes the true continuation as a chain of ``depth`` (or, with ``wrong``, a guaranteed miss)."""
+
+    def __init__(self, reference: list[int], prompt_len: int, depth: int, wrong: bool = False, branch: bool = False):
+        super().__init__(VOCAB)
+        self.reference, self.prompt_len, self.depth, self.wrong, self.branch = reference, prompt_len, depth, wrong, branch
+
+    def propose(self, ids):
+        done = len(ids) - self.prompt_len
+        chain = self.reference[done : done + self.depth]
+        if self.wrong:
+            chain = [(t + 1) % VOCAB for t in chain]
+        if not chain:
+            return None
+        if self.branch:  # a decoy sibling before every true node: the accepted path is not 1..L
+            parents, tokens, prev = [], [], 0
+            for t in chain:
+                parents += [prev, prev]
+                tokens += [(t + 1) % VOCAB, t]
+                prev = len(tokens)
+            return Draft(torch.tensor(tokens), TreeShape(tuple(parents)))
+        return Draft(torch.tensor(chain), TreeShape(tuple(range(len(chain)))))
+
+
+prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_baseline_equals_transformers_generate(name):
+    model = MODELS[name]
+    prompt = [5, 9, 2, 33, 7]
+    gen = Engine(model, set()).generate(prompt, Drafter(VOCAB), 30)
+    assert gen.output_ids == greedy(model, prompt, 30)
+    assert gen.accept_lengths == [1] * 29
+
+
+@pytest.mark.parametrize("name", MODELS)
+@settings(max_examples=12, deadline=None)
+@given(prompt=prompts, seed=st.integers(0, 2**16), extras=st.booleans())
+def test_random_trees_are_lossless(name, prompt, seed, extras):
+    model = MODELS[name]
+    reference = greedy(model, prompt, 24)
+    drafter = RandomTrees(reference, len(prompt), seed, extras=extras)
+    gen = Engine(model, set()).generate(prompt, drafter, 24)
+    assert gen.output_ids == reference
+    assert sum(gen.accept_lengths) == 23 and min(gen.accept_lengths) >= 1
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("branch", [False, True])
+def test_oracle_is_accepted_whole(name, branch):
+    model = MODELS[name]
+    prompt = [1, 2, 3, 4, 5, 6]
+    reference = greedy(model, prompt, 40)
+    gen = Engine(model, set()).generate(prompt, Oracle(reference, len(prompt), depth=4, branch=branch), 40)
+    assert gen.output_ids == reference
+    assert gen.accept_lengths[:-1] == [5] * (len(gen.accept_lengths) - 1)  # depth + bonus; the last is cut at 40
+    assert sum(gen.accept_lengths) == 39
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_garbage_drafts_change_nothing(name):
+    model = MODELS[name]
+    prompt = [7, 7, 1, 30]
+    reference = greedy(model, prompt, 20)
+    gen = Engine(model, set()).generate(prompt, Oracle(reference, len(prompt), depth=5, wrong=True), 20)
+    assert gen.output_ids == reference
+    assert gen.accept_lengths == [1] * 19
+
+
+@pytest.mark.parametrize("depth", [0, 6])
+def test_stops_exactly_at_eos(depth):
+    model = MODELS["llama"]
+    prompt = [3, 1, 4, 1, 5]
+    reference = greedy(model, prompt, 30)
+    eos = reference[9]
+    first = reference.index(eos)
+    gen = Engine(model, {eos}).generate(prompt, Oracle(reference, len(prompt), depth=depth), 30)
+    assert gen.output_ids == reference[: first + 1]  # EOS kept, nothing after it
+    assert 1 + sum(gen.accept_lengths) == len(gen.output_ids)
+
+
+def test_max_new_tokens_truncates_an_accepted_path():
+    model = MODELS["llama"]
+    prompt = [2, 7, 1, 8]
+    reference = greedy(model, prompt, 12)
+    gen = Engine(model, set()).generate(prompt, Oracle(reference, len(prompt), depth=6), 12)
+    assert gen.output_ids == reference[:12]
+    assert gen.accept_lengths == [7, 4]
+
+
+def test_step_reports_accepted_path_and_logits():
+    model = MODELS["llama"]
+    prompt = [9, 8, 7]
+    reference = greedy(model, prompt, 10)
+    drafter = RandomTrees(reference, len(prompt), seed=3, hit=0.9, extras=True)
+    Engine(model, set()).generate(prompt, drafter, 10)
+    for step in drafter.steps:
+        assert step.logits.shape == (step.shape.size, VOCAB)
+        assert step.accepted[0] == 0 and list(step.shape.paths[int(step.accepted[-1])]) == step.accepted.tolist()
+        accepted_tokens = step.tokens[step.accepted[1:]].tolist()
+        assert step.emitted[: len(accepted_tokens)] == accepted_tokens
+
+
+def test_prompt_longer_than_context_is_a_clear_error():
+    with pytest.raises(PromptTooLong, match="exceeds the model's context of 512"):
+        Engine(MODELS["llama"], set()).generate([1] * 500, Drafter(VOCAB), 20)
+
+
+def test_max_new_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        Engine(MODELS["llama"], set()).generate([1, 2], Drafter(VOCAB), 0)
