@@ -75,7 +75,12 @@ def _package_dir(module: str, package: str) -> Path:
 
 
 def _gguf_sources(cfg: Mapping[str, Any]) -> list[Path]:
-    """The files a GGUF model is made of (the file itself, or the parts a package assembles)."""
+    """The files a GGUF model is made of (a local file, a package's file, or the parts a package assembles)."""
+    if cfg.get("gguf"):
+        path = Path(os.path.expanduser(str(cfg["gguf"])))
+        if not path.is_file():
+            raise ModelUnavailable(f"model.gguf={path} does not exist")
+        return [path]
     directory = _package_dir(cfg["module"], cfg["package"])
     if cfg.get("parts_from"):
         assembler = importlib.import_module(cfg["parts_from"])
@@ -135,8 +140,8 @@ def weights_dir(cfg: Mapping[str, Any]) -> Path:
             f"model.path={path} is not a local directory; draftbench loads checkpoints from disk "
             "(download it first, e.g. `huggingface-cli download <repo> --local-dir <dir>`)"
         )
-    if not cfg.get("package"):
-        raise ModelUnavailable(f"model {cfg['name']!r} names neither model.path nor model.package")
+    if not cfg.get("package") and not cfg.get("gguf"):
+        raise ModelUnavailable(f"model {cfg['name']!r} names none of model.path, model.gguf and model.package")
     sources = _gguf_sources(cfg)
     target = cache_dir() / "models" / f"{cfg['name']}-{_cache_key(cfg, sources)}"
     if not (target / "config.json").is_file():

@@ -1,6 +1,8 @@
-"""Composing draftbench configs in tests, exactly as `python -m evaluation.run` would."""
+"""Test helpers: configs composed exactly as `python -m evaluation.run` composes them, a tiny checkpoint."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -17,3 +19,22 @@ def config(*overrides: str) -> DictConfig:
 
 def method_names() -> list[str]:
     return sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
+
+
+def tiny_checkpoint(directory: Path, max_positions: int = 512) -> Path:
+    """A tiny random Llama with a word-level tokenizer, saved as a local checkpoint (``model=hf``)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[EOS]"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Question:", "Answer:"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         eos_token_id=1, bos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
