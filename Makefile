@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 MODEL ?= smollm2-135m
 METHODS ?= baseline recycling
 DATA ?= spec_bench_mini
-TOKENS ?= 64
+TOKENS ?= 32
 ARGS ?=
 RUN_DIR ?= results
 
