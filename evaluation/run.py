@@ -122,7 +122,7 @@ def run(cfg: DictConfig) -> Path:
     config = OmegaConf.to_container(cfg, resolve=True)
     header = {
         "model": cfg.model.name,
-        "model_id": cfg.model.model_id,
+        "model_id": cfg.model.model_id or cfg.model.get("path") or cfg.model.get("gguf"),
         "model_source": loaded.source,
         "method": cfg.method.name,
         "label": cfg.method.label,

@@ -32,6 +32,18 @@ def test_pool(adds, expected):
     assert pool.get(1) == expected
 
 
+def reference_add(token_map: dict[int, list], key: int, ngram: tuple, capacity: int) -> None:
+    """The reference's token_map update, literally: a repeat moves to the back, else append, else drop the first."""
+    entries = token_map.setdefault(key, [])
+    if ngram in entries:
+        entries.remove(ngram)
+        entries.append(ngram)
+    elif len(entries) < capacity:
+        entries.append(ngram)
+    else:
+        token_map[key] = entries[1:] + [ngram]
+
+
 @given(st.lists(st.tuples(st.integers(0, 2), st.tuples(st.integers(0, 2), st.integers(0, 2))), max_size=30),
        st.integers(1, 4))
 def test_pool_matches_the_reference_list_update(adds, capacity):
@@ -39,14 +51,7 @@ def test_pool_matches_the_reference_list_update(adds, capacity):
     reference: dict[int, list] = {}
     pool = NgramPool(capacity)
     for key, ngram in adds:
-        entries = reference.setdefault(key, [])
-        if ngram in entries:
-            entries.remove(ngram)
-            entries.append(ngram)
-        elif len(entries) < capacity:
-            entries.append(ngram)
-        else:
-            reference[key] = entries[1:] + [ngram]
+        reference_add(reference, key, ngram, capacity)
         pool.add(key, ngram)
     assert all(pool.get(key) == entries for key, entries in reference.items())
 
@@ -195,14 +200,7 @@ def reference_lade(model, prompt: list[int], max_new: int, N: int, W: int, G: in
                     hits = correct[: gg + 1]
             for i in range(W):
                 key, tup = root if i == 0 else past[0][i - 1], tuple(past[l][i] for l in range(1, N - 1)) + (inp[i],)
-                entries = token_map.setdefault(key, [])
-                if tup in entries:
-                    entries.remove(tup)
-                    entries.append(tup)
-                elif len(entries) < G:
-                    entries.append(tup)
-                else:
-                    token_map[key] = entries[1:] + [tup]
+                reference_add(token_map, key, tup, G)
             past = [past[1][1:]] + past[2:] + [inp]
         hits = hits[: max_new - (len(ids) - len(prompt))]
         ids += hits

@@ -7,7 +7,6 @@ from conftest import VOCAB, tiny_llama
 from methods.drafter import Drafter, Step
 from methods.engine import Engine
 from methods.recycling import TokenRecycling
-from methods.tree import chain, from_rank_paths
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 

@@ -40,7 +40,7 @@ def questions(path: Path, n: int, long_one: int | None = None) -> Path:
 
 
 def tiny_args(checkpoint: Path, data: Path, out: Path, method: str = "recycling", tokens: int = 40) -> list[str]:
-    return [f"model=hf", f"model.path={checkpoint}", "model.template=plain", f"data.path={data}",
+    return ["model=hf", f"model.path={checkpoint}", "model.template=plain", f"data.path={data}",
             f"method={method}", f"max_new_tokens={tokens}", "dtype=float32", "device=cpu", "threads=1",
             f"run.dir={out}", "run.progress=false"]
 
