@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from evaluation import models
-from evaluation.results import ResultFile, read_records
+from evaluation.results import ResultFile, meta_path, read_records
 from evaluation.run import run
 from helpers import PROJECT_ROOT, config, tiny_checkpoint
 
@@ -95,6 +95,12 @@ def test_changed_settings_refuse_to_resume_and_leave_the_file_intact(checkpoint,
     with pytest.raises(Exception, match="config.warmup"):
         run(config(*args))
     assert path.read_bytes() == before
+
+
+def test_the_run_header_names_a_generic_checkpoint_by_its_path(checkpoint, tmp_path):
+    data = questions(tmp_path / "q.jsonl", 1)
+    path = run(config(*tiny_args(checkpoint, data, tmp_path / "out", method="baseline", tokens=4)))
+    assert json.loads(meta_path(path).read_text())["model_id"] == str(checkpoint)  # model=hf has model_id: null
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
