@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -51,6 +52,21 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={device} was asked for, but torch sees no CUDA device here; use device=cpu")
     return dev
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's or the CPU's model name: what speed depends on, recorded with runs and calibrations."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
 
 
 def resolve_dtype(dtype: str, device: torch.device, model_cfg: Mapping[str, Any]) -> torch.dtype:

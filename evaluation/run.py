@@ -27,8 +27,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from evaluation import autotree, models
 from evaluation import data as datasets
-from evaluation import models
 from evaluation.data import PROJECT_ROOT, resolve_path
 from evaluation.results import ResultFile
 from methods.drafter import Drafter
@@ -42,16 +42,6 @@ def _git(*args: str) -> str | None:
         return subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def environment(device: torch.device) -> dict:
@@ -68,16 +58,20 @@ def environment(device: torch.device) -> dict:
         "versions": versions,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": models.cpu_model(),
         "torch_threads": torch.get_num_threads(),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
+        "device_name": models.device_name(device),
     }
 
 
-def build_drafter(method: DictConfig, vocab_size: int, device: torch.device) -> Drafter:
-    """The drafter a method config names (``_target_``); ``name``/``label`` are the harness's own keys."""
-    params = {k: v for k, v in method.items() if k not in ("name", "label")}
-    return instantiate(params, _convert_="all", vocab_size=vocab_size, device=device)
+def build_drafter(method: DictConfig, vocab_size: int, device: torch.device, **overrides: object) -> Drafter:
+    """The drafter a method config names (``_target_``); ``name``/``label`` are the harness's own keys.
+
+    ``overrides`` are constructor arguments that are objects, not config (a TreePlan), so they are
+    passed to the class, not through the config.
+    """
+    params = {k: v for k, v in method.items() if k not in ("name", "label", *overrides)}
+    return instantiate(params, _convert_="all", _partial_=True)(vocab_size=vocab_size, device=device, **overrides)
 
 
 def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.LoadedModel, template: str,
@@ -86,20 +80,27 @@ def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.Load
     messages: list[dict[str, str]] = []
     turns: dict[str, list] = {k: [] for k in
                               ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths", "output_ids",
-                               "prefill_time", "decode_time")}
+                               "prompt_tokens", "prefill_time", "decode_time", "forward_time", "accept_paths",
+                               "block_sizes")}
     for turn in question["turns"]:
         messages.append({"role": "user", "content": turn})
-        gen = engine.generate(models.prompt_ids(loaded.tokenizer, template, messages), drafter, max_new_tokens)
+        prompt = models.prompt_ids(loaded.tokenizer, template, messages)
+        gen = engine.generate(prompt, drafter, max_new_tokens)
         text = loaded.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
         turns["turns"].append(text)
         turns["new_tokens"].append(len(gen.output_ids))
         turns["wall_time"].append(gen.wall_time)
         turns["decoding_steps"].append(gen.decoding_steps)
-        turns["accept_lengths"].extend(gen.accept_lengths)  # flat over turns, as Spec-Bench writes it
         turns["output_ids"].append(gen.output_ids)
+        turns["prompt_tokens"].append(len(prompt))
         turns["prefill_time"].append(gen.prefill_time)
         turns["decode_time"].append(gen.decode_time)
+        turns["forward_time"].append(gen.forward_time)
+        # per decode step, flat over turns as Spec-Bench writes accept_lengths
+        turns["accept_lengths"].extend(gen.accept_lengths)
+        turns["accept_paths"].extend(gen.accept_paths)
+        turns["block_sizes"].extend(gen.block_sizes)
     return {"choices": [{"index": 0, **turns}]}
 
 
@@ -114,10 +115,12 @@ def run(cfg: DictConfig) -> Path:
     device = models.resolve_device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
     dtype_name = str(dtype).removeprefix("torch.")
+    tree = autotree.resolve(cfg, device, dtype, questions)  # before the model too: missing files fail fast
     loaded = models.load(cfg.model, device, dtype)
     vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
-    drafter = build_drafter(cfg.method, vocab_size, device)
-    engine = Engine(loaded.model, loaded.eos_token_ids)
+    drafter = build_drafter(cfg.method, vocab_size, device, **tree)
+    time_forward = device.type == "cpu" if cfg.time_forward == "auto" else bool(cfg.time_forward)
+    engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=time_forward)
 
     config = OmegaConf.to_container(cfg, resolve=True)
     header = {
@@ -200,7 +203,10 @@ def _summary(records: list[dict], path: Path) -> None:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    try:
+        run(cfg)
+    except autotree.AutoTreeError as err:
+        sys.exit(f"draftbench: error: {err}")
 
 
 if __name__ == "__main__":

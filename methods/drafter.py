@@ -27,6 +27,7 @@ class Step:
     logits: torch.Tensor  # [size, V] logits at every block position
     predictions: torch.Tensor  # [size] argmax of logits
     accepted: torch.Tensor  # [L] block indices of the accepted path, root first
+    path_ranks: list[int]  # sibling rank (TreeShape.sibling_ranks) of every accepted draft node, by depth
     emitted: list[int]  # tokens this step added to the output (accepted drafts + bonus, after stops)
     hidden_states: torch.Tensor | None  # [size, hidden] last layer, when the drafter asks for them
 
@@ -45,6 +46,11 @@ class Drafter:
     needs_prefill_logits: bool = False
     #: ask the engine for the last hidden states in every :class:`Step`
     needs_hidden_states: bool = False
+    #: the constructor argument that sets the draft tree (or chain length); ``auto`` there lets the harness
+    #: choose it for the hardware (evaluation.autotree) and hand over a :class:`~methods.tree_search.TreePlan`
+    tree_param: str | None = None
+    #: that argument's value while acceptance statistics are collected: a wide candidate tree
+    candidate_tree: object = None
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size  # the model's logit width (may exceed len(tokenizer))

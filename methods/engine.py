@@ -36,8 +36,11 @@ class Generation:
 
     output_ids: list[int]  # new tokens, EOS included when generated
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per decode forward (bonus included)
+    accept_paths: list[list[int]] = field(default_factory=list)  # per step: sibling ranks of the accepted drafts
+    block_sizes: list[int] = field(default_factory=list)  # per step: tokens fed to the forward (root included)
     prefill_time: float = 0.0  # seconds: prefill forward and first token
     decode_time: float = 0.0  # seconds: all decode steps
+    forward_time: float | None = None  # seconds of decode_time inside the model forward (when timed)
 
     @property
     def wall_time(self) -> float:
@@ -51,15 +54,20 @@ class Generation:
 class Engine:
     """Verifies draft trees against a Hugging Face causal LM (batch size 1, greedy)."""
 
-    def __init__(self, model: PreTrainedModel, eos_token_ids: set[int], max_length: int | None = None):
+    def __init__(self, model: PreTrainedModel, eos_token_ids: set[int], max_length: int | None = None,
+                 time_forward: bool = False):
+        """``time_forward`` times every decode forward apart (on CUDA at the price of two syncs per step),
+        so that the engine's and the drafter's own time per step can be reported."""
         self.model = model
+        self.time_forward = time_forward
+        self.forward_time = 0.0
         self.eos = frozenset(eos_token_ids)
         config = model.config.get_text_config()
         self.max_length = max_length or getattr(config, "max_position_embeddings", None)
         self.device = model.device
         self.dtype = model.dtype
         self._min = torch.finfo(self.dtype).min
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         unknown = layer_types - {"full_attention", "sliding_attention"}
         if unknown:
@@ -70,7 +78,7 @@ class Engine:
         self._mask = torch.zeros(0, 0, dtype=self.dtype, device=self.device)  # zero outside the live block
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -86,36 +94,40 @@ class Engine:
             )
         cache = DynamicCache()
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        self._sync()
+        self.sync()
         start = time.perf_counter()
         out = self.model(
             input_ids=prompt[None],
             use_cache=True,
             logits_to_keep=0 if drafter.needs_prefill_logits else 1,
-            **{self._cache_kw: cache},
+            **{self.cache_kw: cache},
         )
         logits = out.logits[0]
         first = int(logits[-1].argmax())
         drafter.reset(prompt, logits if drafter.needs_prefill_logits else None)
-        self._sync()
+        self.sync()
         gen = Generation(output_ids=[first])
         gen.prefill_time = time.perf_counter() - start
 
         ids = list(prompt_ids) + [first]
+        self.forward_time = 0.0
         start = time.perf_counter()
         while first not in self.eos and len(gen.output_ids) < max_new_tokens:
             draft = drafter.propose(ids)
-            step = self._verify(ids[-1], len(ids) - 1, draft, cache, drafter.needs_hidden_states)
+            step = self.verify(ids[-1], len(ids) - 1, draft, cache, drafter.needs_hidden_states)
             emitted = self._stop(step.emitted, max_new_tokens - len(gen.output_ids))
             step.emitted = emitted
             gen.output_ids += emitted
             gen.accept_lengths.append(len(emitted))
+            gen.accept_paths.append(step.path_ranks[: len(emitted) - 1])
+            gen.block_sizes.append(step.shape.size)
             ids += emitted
             drafter.observe(step)
             if emitted[-1] in self.eos:
                 break
-        self._sync()
+        self.sync()
         gen.decode_time = time.perf_counter() - start
+        gen.forward_time = self.forward_time if self.time_forward else None
         return gen
 
     def _stop(self, emitted: list[int], room: int) -> list[int]:
@@ -126,20 +138,27 @@ class Engine:
                 return emitted[: i + 1]
         return emitted
 
-    def _verify(self, root: int, position: int, draft: Draft | None, cache: DynamicCache, hidden: bool) -> Step:
+    def verify(self, root: int, position: int, draft: Draft | None, cache: DynamicCache, hidden: bool = False) -> Step:
+        """One step: verify ``draft`` after ``root`` (at ``position``) in one forward and keep the accepted KV."""
         shape: TreeShape = draft.shape if draft is not None else chain(0)
         buf = shape.buffers(self.device, self.dtype)
         self._root.fill_(root)
         block = self._root if draft is None else torch.cat([self._root, draft.tokens])  # [size]
         size, n1 = shape.size, shape.n_nodes
+        if self.time_forward:
+            self.sync()
+            start = time.perf_counter()
         out = self.model(
             input_ids=block[None],
             position_ids=(buf.depths + position)[None],
             attention_mask=None if shape.is_chain else self._attention_mask(shape, buf.mask_block, position),
             use_cache=True,
             output_hidden_states=hidden,
-            **{self._cache_kw: cache},
+            **{self.cache_kw: cache},
         )
+        if self.time_forward:
+            self.sync()
+            self.forward_time += time.perf_counter() - start
         if not shape.is_chain:
             self._mask[:size, position : position + size] = 0  # restore the all-zero invariant
         logits = out.logits[0]  # [size, V]
@@ -163,6 +182,7 @@ class Engine:
             logits=logits,
             predictions=pred,
             accepted=path,
+            path_ranks=[shape.sibling_ranks[i] for i in shape.paths[best_i][1:]],
             emitted=picked[2 : 1 + length] + [picked[-1]],
             hidden_states=out.hidden_states[-1][0] if hidden else None,
         )
@@ -193,9 +213,15 @@ class Engine:
     def _keep(cache: DynamicCache, position: int, path: torch.Tensor, length: int, contiguous: bool) -> None:
         """Keep the accepted path's KV entries at positions ``position ..`` and drop the rest of the block."""
         end = position + length
-        for layer in cache.layers:
-            if not contiguous:
+        if not contiguous:
+            for layer in cache.layers:
                 layer.keys[:, :, position:end] = layer.keys[:, :, position + path]
                 layer.values[:, :, position:end] = layer.values[:, :, position + path]
-            layer.keys = layer.keys[:, :, :end]
-            layer.values = layer.values[:, :, :end]
+        Engine.truncate(cache, end)
+
+    @staticmethod
+    def truncate(cache: DynamicCache, length: int) -> None:
+        """Drop every cached position from ``length`` on (views: no copy)."""
+        for layer in cache.layers:
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]

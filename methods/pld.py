@@ -24,6 +24,7 @@ import torch
 
 from methods.drafter import Drafter
 from methods.tree import Draft, chain
+from methods.tree_search import TreePlan
 
 
 class NgramIndex:
@@ -67,7 +68,14 @@ class NgramIndex:
 
 
 class PromptLookup(Drafter):
-    """The PLD drafter: a chain of ``num_pred_tokens`` copied from the context, or nothing if no n-gram matches."""
+    """The PLD drafter: a chain of ``num_pred_tokens`` copied from the context, or nothing if no n-gram matches.
+
+    ``num_pred_tokens=auto`` hands it a :class:`TreePlan` of chains (one length per context bucket,
+    chosen for the hardware by :mod:`methods.tree_search`).
+    """
+
+    tree_param = "num_pred_tokens"
+    candidate_tree = 16
 
     def __init__(
         self,
@@ -75,14 +83,17 @@ class PromptLookup(Drafter):
         device: torch.device | str = "cpu",
         max_ngram_size: int = 3,
         min_ngram_size: int = 1,
-        num_pred_tokens: int = 10,
+        num_pred_tokens: int | TreePlan = 10,
     ):
-        if num_pred_tokens < 1:
+        if isinstance(num_pred_tokens, TreePlan):
+            self.plan, lengths = num_pred_tokens, [len(paths) for paths in num_pred_tokens.trees]
+        else:
+            self.plan, lengths = None, [num_pred_tokens]
+        if min(lengths) < 1 and self.plan is None:
             raise ValueError(f"method.num_pred_tokens must be at least 1, got {num_pred_tokens}")
         super().__init__(vocab_size, device)
         self.index = NgramIndex(min_ngram_size, max_ngram_size)
-        self.num_pred_tokens = num_pred_tokens
-        self.shape = chain(num_pred_tokens)
+        self.lengths = lengths  # chain length per context bucket (0: the plan found no chain worth its cost)
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
         ids = prompt.tolist()
@@ -90,7 +101,11 @@ class PromptLookup(Drafter):
         self.index.extend(ids, len(ids))
 
     def propose(self, ids: list[int]) -> Draft | None:
-        tokens = self.index.continuation(ids, self.num_pred_tokens)
+        length = self.lengths[self.plan.index(len(ids)) if self.plan else 0]
+        tokens = self.index.continuation(ids, length) if length else []
         if not tokens:
             return None
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), self.shape)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), chain(length))
+
+    def describe(self) -> dict:
+        return {"plan": self.plan.describe()} if self.plan else {}

@@ -12,13 +12,17 @@ from typing import Literal, Sequence
 
 import torch
 
+from methods import tree_search
 from methods.drafter import Drafter, Step
-from methods.tree import Draft, from_rank_paths, load_template
+from methods.tree import Draft, TreeShape, from_rank_paths, load_template
+from methods.tree_search import TreePlan
 
 
 class TokenRecycling(Drafter):
     """The Token Recycling drafter.
 
+    ``tree`` is a template name (``conf/trees/``), rank paths, or a :class:`TreePlan` (``tree=auto``:
+    one tree per context bucket, chosen for the hardware by :mod:`methods.tree_search`).
     ``start="hot"`` (as published) keeps the matrix across questions and turns; ``start="cold"``
     clears it at every generation and seeds it from the prompt's prefill logits.
 
@@ -27,11 +31,14 @@ class TokenRecycling(Drafter):
     later position in block order wins (the more recent context).
     """
 
+    tree_param = "tree"
+    candidate_tree = "wide"
+
     def __init__(
         self,
         vocab_size: int,
         device: torch.device | str = "cpu",
-        tree: str | Sequence[Sequence[int]] = "paper",
+        tree: str | Sequence[Sequence[int]] | TreePlan = "paper",
         k: int = 8,
         start: Literal["hot", "cold"] = "hot",
     ):
@@ -39,36 +46,48 @@ class TokenRecycling(Drafter):
             raise ValueError(f"method.start must be 'hot' or 'cold', got {start!r}")
         if k < 1:
             raise ValueError(f"method.k must be at least 1, got {k}")
-        self.shape, ranks = from_rank_paths(load_template(tree) if isinstance(tree, str) else tree)
-        if int(ranks.max()) >= k:
-            raise ValueError(f"the tree template uses rank {int(ranks.max())}, but the matrix keeps only k={k} successors")
         super().__init__(vocab_size, device)
+        self.plan = tree if isinstance(tree, TreePlan) else tree_search.fixed(
+            load_template(tree) if isinstance(tree, str) else tree)
+        self.trees = [self._tree(paths, k) for paths in self.plan.trees]  # (shape, levels) per bucket
         self.k, self.start = k, start
         self.needs_prefill_logits = start == "cold"
         index_dtype = torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
         # One scratch row at index V absorbs the writes that lose a tie (see _write).
         self.matrix = torch.zeros(vocab_size + 1, k, dtype=index_dtype, device=self.device)  # [V+1, k]
-        self._tokens = torch.zeros(self.shape.n_nodes, dtype=torch.long, device=self.device)  # [root, nodes]
-        # One (parents, ranks, slice) triple per depth: the BFS fill is one gather per depth.
-        depths = torch.tensor(self.shape.depth_list[1:])
-        parents = torch.tensor(self.shape.parents)
-        self._levels = []
+        n1 = max((shape.n_nodes for shape, _ in self.trees if shape is not None), default=1)
+        self._tokens = torch.zeros(n1, dtype=torch.long, device=self.device)  # [root, nodes]
+
+    def _tree(self, paths: Sequence[Sequence[int]], k: int) -> tuple[TreeShape | None, list]:
+        """A template's shape and one (parents, ranks, slice) triple per depth: the fill is one gather per depth."""
+        if not paths:
+            return None, []
+        shape, ranks = from_rank_paths(paths)
+        if int(ranks.max()) >= k:
+            raise ValueError(f"the tree template uses rank {int(ranks.max())}, but the matrix keeps only k={k} successors")
+        depths = torch.tensor(shape.depth_list[1:])
+        parents = torch.tensor(shape.parents)
+        levels = []
         for d in range(1, int(depths.max()) + 1):
             idx = (depths == d).nonzero().flatten()
             first, last = int(idx[0]) + 1, int(idx[-1]) + 2
-            self._levels.append((parents[idx].to(self.device), ranks[idx].to(self.device), slice(first, last)))
+            levels.append((parents[idx].to(self.device), ranks[idx].to(self.device), slice(first, last)))
+        return shape, levels
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
         if self.start == "cold":
             self.matrix.zero_()
             self._write(prompt, prefill_logits, priority=torch.arange(len(prompt), device=prompt.device))
 
-    def propose(self, ids: list[int]) -> Draft:
+    def propose(self, ids: list[int]) -> Draft | None:
+        shape, levels = self.trees[self.plan.index(len(ids))]
+        if shape is None:  # the plan found no tree worth its cost at this context length
+            return None
         tokens = self._tokens
         tokens[0] = ids[-1]
-        for parents, ranks, nodes in self._levels:
+        for parents, ranks, nodes in levels:
             tokens[nodes] = self.matrix[tokens[parents], ranks].long()
-        return Draft(tokens[1:], self.shape)
+        return Draft(tokens[1 : shape.n_nodes], shape)
 
     def observe(self, step: Step) -> None:
         n1 = step.shape.n_nodes
@@ -97,6 +116,7 @@ class TokenRecycling(Drafter):
             "matrix_shape": [self.vocab_size, self.k],
             "matrix_dtype": str(self.matrix.dtype).removeprefix("torch."),
             "matrix_bytes": self.vocab_size * self.k * self.matrix.element_size(),
-            "tree_nodes": self.shape.n_nodes - 1,
-            "tree_depth": max(self.shape.depth_list),
+            "tree_nodes": [0 if shape is None else shape.n_nodes - 1 for shape, _ in self.trees],
+            "tree_depth": [0 if shape is None else max(shape.depth_list) for shape, _ in self.trees],
+            **({"plan": self.plan.describe()} if self.plan.sources else {}),
         }

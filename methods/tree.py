@@ -89,6 +89,20 @@ class TreeShape:
         return not self.extra_depths and all(p == i for i, p in enumerate(self.parents))
 
     @cached_property
+    def sibling_ranks(self) -> tuple[int, ...]:
+        """Every node's index among its parent's children in block order (root: 0), host-side.
+
+        For a template filled by rank (Token Recycling), this is the node's successor rank; for any
+        drafter it is "the how-many-th alternative at this depth", which acceptance statistics count.
+        """
+        seen: dict[int, int] = {}
+        ranks = [0]
+        for p in self.parents:
+            ranks.append(seen.get(p, 0))
+            seen[p] = ranks[-1] + 1
+        return tuple(ranks)
+
+    @cached_property
     def paths(self) -> tuple[tuple[int, ...], ...]:
         """Block indices from the root to every node, host-side (``paths[0] == (0,)``)."""
         paths = [(0,)]

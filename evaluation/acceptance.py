@@ -1,0 +1,151 @@
+"""Acceptance statistics of a drafter's wide candidate tree: what ``method.tree=auto`` chooses from.
+
+    python -m evaluation.acceptance method=recycling data=spec_bench_mini max_new_tokens=48
+
+Runs the method with its candidate tree (``Drafter.candidate_tree``: Token Recycling's
+``conf/trees/wide.yaml``, 142 nodes; PLD's chain of 16) through ``evaluation.run`` on a calibration
+question set (durable and resumable like every run, under ``<autotree.dir>/runs``), then counts for
+every node, by rank path, the share of drafting steps in which it lay on the accepted path. Collect
+them on questions you do not evaluate: ``method.tree=auto`` refuses statistics whose questions overlap
+the evaluated ones. The file is keyed by model, dtype and the method's other settings (greedy
+verification is exact, so acceptance is a property of the model and the drafter, not of the hardware).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import hydra
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from evaluation import data as datasets
+from evaluation.data import resolve_path
+from methods.tree_search import NodeStats
+
+
+class AcceptanceError(RuntimeError):
+    """Statistics that are missing, unreadable or made for another setup; the message says what to do."""
+
+
+def drafter_class(method: DictConfig) -> type:
+    return get_class(method["_target_"])
+
+
+def tunable(method: DictConfig) -> tuple[type, str]:
+    """The drafter class of a method config and the constructor argument that sets its tree."""
+    cls = drafter_class(method)
+    if not cls.tree_param:
+        raise AcceptanceError(f"method {method.name!r} has no tree to choose (its drafter {cls.__name__} sets no "
+                              "tree_param); auto trees exist for recycling (method.tree) and pld (method.num_pred_tokens)")
+    return cls, cls.tree_param
+
+
+def method_key(method: DictConfig) -> dict:
+    """The method's settings that acceptance depends on: all but its tree, name and label."""
+    _, param = tunable(method)
+    plain = OmegaConf.to_container(method, resolve=False)
+    return {k: v for k, v in sorted(plain.items()) if k not in (param, "name", "label")}
+
+
+def question_hashes(questions: Iterable[dict]) -> list[str]:
+    """Questions by content, so overlap is found across files whatever their ids."""
+    return sorted({hashlib.sha1(json.dumps(q["turns"]).encode()).hexdigest()[:16] for q in questions})
+
+
+def files_for(directory: Path, model: str, dtype: str, method: DictConfig, data: str = "*") -> list[Path]:
+    """The statistics files of this model, dtype and method (one per question set; ``data="*"``: all of them)."""
+    digest = hashlib.sha1(json.dumps(method_key(method), sort_keys=True).encode()).hexdigest()[:8]
+    stem = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"acceptance-{model}-{dtype}-{method.name}-{digest}")
+    if data == "*":
+        return sorted(directory.glob(f"{stem}-*.json"))
+    return [directory / f"{stem}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', data)}.json"]
+
+
+def count(records: Iterable[dict]) -> tuple[Counter, int, int]:
+    """Accepted-node counts by rank path, decode steps, and steps that drafted at least one node."""
+    nodes: Counter = Counter()
+    steps = drafting = 0
+    for record in records:
+        choice = record.get("choices", [{}])[0]
+        for path, size in zip(choice.get("accept_paths", []), choice.get("block_sizes", [])):
+            steps += 1
+            drafting += size > 1
+            nodes.update(tuple(path[: d + 1]) for d in range(len(path)))
+    return nodes, steps, drafting
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """A statistics file: the key it was made under, per-node acceptance, and where it came from."""
+
+    key: dict
+    stats: NodeStats
+    steps: int
+    question_hashes: tuple[str, ...]
+    provenance: dict
+
+    @classmethod
+    def load(cls, path: Path) -> Acceptance:
+        try:
+            raw = json.loads(path.read_text())
+            probs = {tuple(node["path"]): float(node["p"]) for node in raw["nodes"]}
+            return cls(key=raw["key"], stats=NodeStats(probs, float(raw["draft_rate"])), steps=int(raw["steps"]),
+                       question_hashes=tuple(raw["question_hashes"]), provenance=raw.get("provenance", {}))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise AcceptanceError(f"{path}: not a readable acceptance statistics file ({err}); delete it and rerun "
+                                  "python -m evaluation.acceptance") from err
+
+
+def collect(cfg: DictConfig) -> Path:
+    """Run the method with its candidate tree on ``cfg.data`` and write the statistics file."""
+    from evaluation.run import run  # the harness's own loop, so the statistics come from a real run
+
+    cls, param = tunable(cfg.method)
+    run_cfg = cfg.copy()
+    with open_dict(run_cfg):
+        run_cfg.method[param] = cls.candidate_tree
+        run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs")
+    result = run(run_cfg)
+    meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())
+    records = [json.loads(line) for line in result.read_text().splitlines() if line.strip()]
+    nodes, steps, drafting = count(records)
+    if not drafting:
+        raise AcceptanceError(f"{result}: no step drafted anything; nothing to learn a tree from")
+    questions = datasets.load(cfg.data)
+    path = files_for(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name)[0]
+    body = {
+        "key": {"model": cfg.model.name, "dtype": meta["dtype"], "method": method_key(cfg.method)},
+        "candidate": {param: cls.candidate_tree},
+        "steps": steps, "drafting_steps": drafting, "draft_rate": drafting / steps,
+        "nodes": [{"path": list(p), "p": n / drafting} for p, n in sorted(nodes.items(), key=lambda x: (len(x[0]), x[0]))],
+        "question_hashes": question_hashes(questions),
+        "provenance": {"data": cfg.data.name, "question_ids": meta["question_ids"],
+                       "max_new_tokens": cfg.max_new_tokens, "result_file": str(result),
+                       "git_commit": meta.get("git_commit"), "device_name": meta.get("device_name"),
+                       "mat": sum(sum(r["choices"][0]["accept_lengths"]) for r in records if "choices" in r) / steps},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    tmp.replace(path)
+    print(f"acceptance: {drafting} drafting steps of {steps}, {len(nodes)} nodes ever accepted -> {path}", file=sys.stderr)
+    return path
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        collect(cfg)
+    except AcceptanceError as err:
+        sys.exit(f"acceptance: error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""``method.tree=auto``: the draft tree chosen for this model, hardware, dtype and thread count.
+
+Reads the device calibration (evaluation.calibrate) and the method's acceptance statistics
+(evaluation.acceptance) from ``autotree.dir`` and hands the drafter a
+:class:`~methods.tree_search.TreePlan`. A file made for another setup is refused with the keys that
+differ, never used silently; a missing one gets the command that makes it (calibration takes a few
+minutes on a CPU and statistics longer, too long to make on the spot before a benchmark).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from evaluation import acceptance, calibrate
+from evaluation.data import resolve_path
+from methods import tree_search
+
+
+class AutoTreeError(RuntimeError):
+    """What ``tree=auto`` needs is missing or made for another setup; the message says what to do."""
+
+
+def _command(module: str, cfg: DictConfig, extra: str = "") -> str:
+    threads = f" threads={cfg.threads}" if cfg.threads else ""
+    return (f"python -m evaluation.{module} model={cfg.model.name} device={cfg.device} dtype={cfg.dtype}{threads}"
+            f"{extra} autotree.dir={cfg.autotree.dir}")
+
+
+def _calibration(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[calibrate.Calibration, Path]:
+    key = calibrate.machine_key(cfg.model.name, device, dtype)
+    directory = resolve_path(cfg.autotree.dir)
+    path = resolve_path(cfg.autotree.calibration) if cfg.autotree.calibration else calibrate.file_for(directory, key)
+    if not path.is_file():
+        others = sorted(directory.glob("calibration-*.json"))
+        near = ""
+        if others:
+            diffs = {str(p): calibrate.key_diff(key, calibrate.Calibration.load(p).key) for p in others}
+            best = min(diffs, key=lambda p: len(diffs[p]))
+            near = f" ({best} exists but differs in {'; '.join(diffs[best])})"
+        raise AutoTreeError(f"tree=auto needs a calibration of this machine and no {path} exists{near}; make it "
+                            f"with: {_command('calibrate', cfg)}")
+    calibration = calibrate.Calibration.load(path)
+    diff = calibrate.key_diff(key, calibration.key)
+    if diff:
+        raise AutoTreeError(f"refusing calibration {path}: it was made for another setup, differing in "
+                            f"{'; '.join(diff)}; calibrate this one with: {_command('calibrate', cfg)}")
+    return calibration, path
+
+
+def _statistics(cfg: DictConfig, dtype: str, questions: list[dict]) -> tuple[acceptance.Acceptance, Path]:
+    key = {"model": cfg.model.name, "dtype": dtype, "method": acceptance.method_key(cfg.method)}
+    evaluated = set(acceptance.question_hashes(questions))
+    if cfg.autotree.acceptance:
+        candidates = [resolve_path(cfg.autotree.acceptance)]
+    else:
+        candidates = acceptance.files_for(resolve_path(cfg.autotree.dir), cfg.model.name, dtype, cfg.method)
+    make = _command("acceptance", cfg, f" method={cfg.method.name} data=<questions you do not evaluate>")
+    if not candidates or not candidates[0].is_file():
+        raise AutoTreeError(f"tree=auto needs acceptance statistics for {key} in {cfg.autotree.dir} and none exist; "
+                            f"collect them with: {make}")
+    usable, refused = [], []
+    for path in candidates:
+        stats = acceptance.Acceptance.load(path)
+        diff = [f"{k} ({key[k]!r} vs {stats.key.get(k)!r})" for k in key if key[k] != stats.key.get(k)]
+        overlap = len(evaluated & set(stats.question_hashes))
+        if diff:
+            refused.append(f"{path} differs in {'; '.join(diff)}")
+        elif overlap and not cfg.autotree.allow_overlap:
+            refused.append(f"{path} was collected on {overlap} of the questions evaluated here (its statistics "
+                           "would flatter the chosen tree)")
+        else:
+            usable.append((stats.steps, str(path), stats, path))
+    if not usable:
+        raise AutoTreeError("refusing every acceptance statistics file: " + "; ".join(refused) +
+                            f". Collect statistics on other questions with: {make} (or autotree.allow_overlap=true, "
+                            "never for a published table)")
+    _, _, stats, path = max(usable)  # the most steps
+    return stats, path
+
+
+def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions: list[dict]) -> dict:
+    """Constructor overrides for the drafter: ``{tree_param: TreePlan}`` when the method asks for auto, else {}."""
+    param = acceptance.drafter_class(cfg.method).tree_param
+    if param is None or cfg.method.get(param) != "auto":
+        return {}
+    calibration, calibration_path = _calibration(cfg, device, dtype)
+    stats, stats_path = _statistics(cfg, str(dtype).removeprefix("torch."), questions)
+    plan = tree_search.plan(stats.stats, calibration.seconds, calibration.contexts,
+                            sources={"calibration": str(calibration_path), "acceptance": str(stats_path)})
+    return {param: plan}

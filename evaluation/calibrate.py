@@ -1,0 +1,216 @@
+"""Calibrate the device: the time of one verification step over q tokens, at several context lengths.
+
+    python -m evaluation.calibrate model=smollm2-135m device=cpu dtype=float32 threads=2 [calibration.redo=true]
+
+A step is the engine's own :meth:`Engine.verify` (tree mask, forward, acceptance, KV compaction) on a
+random draft whose shape is the first ``q - 1`` nodes of the wide candidate tree, after a random
+prefix of each context length; warm, median of repeats, CUDA-synchronised on a GPU. The forward's
+share is timed apart, so the engine's time outside the model forward is recorded too. Timing does not
+depend on the weights' values, only on the shapes.
+
+The file is keyed by what speed depends on: device name, model, dtype, torch threads and torch
+version. It lives in ``autotree.dir`` (default ``results/calibration/``) with a plot of the step time
+over the single-token step time against q; rerunning with the same key reuses it unless
+``calibration.redo=true``. ``method.tree=auto`` reads it (evaluation.autotree).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from transformers import DynamicCache
+
+from evaluation import models
+from evaluation.data import resolve_path
+from methods.engine import Engine
+from methods.tree import Draft, from_rank_paths, load_template
+
+KEY_FIELDS = ("device_name", "model", "dtype", "threads", "torch")
+
+
+class CalibrationError(RuntimeError):
+    """A calibration file is missing, unreadable or made for another setup; the message says what to do."""
+
+
+def machine_key(model: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """What a step's time depends on besides the shapes: a calibration is valid only for the same key."""
+    return {"device_name": models.device_name(device), "model": model,
+            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def key_diff(mine: dict, theirs: dict) -> list[str]:
+    """The key fields that differ, as ``field (this vs that)``."""
+    return [f"{k} ({mine.get(k)!r} vs {theirs.get(k)!r})" for k in KEY_FIELDS if mine.get(k) != theirs.get(k)]
+
+
+def file_for(directory: Path, key: dict) -> Path:
+    slug = "-".join(str(key[k]) for k in ("model", "dtype", "device_name")) + f"-t{key['threads']}-torch{key['torch']}"
+    return directory / f"calibration-{re.sub(r'[^A-Za-z0-9.]+', '_', slug)}.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured step and forward times (ms) per context length and block size q."""
+
+    key: dict
+    contexts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    step_ms: tuple[tuple[float, ...], ...]  # [context][size]
+    forward_ms: tuple[tuple[float, ...], ...]
+    provenance: dict
+
+    def seconds(self, q: int, context: int) -> float:
+        """Predicted time of a step over ``q`` tokens at a context length: piecewise linear in both,
+        linearly extrapolated past the measured range."""
+        per_context = [_interp(q, self.sizes, row) for row in self.step_ms]
+        return max(_interp(context, self.contexts, per_context), 1e-6) / 1000
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "contexts": list(self.contexts), "sizes": list(self.sizes),
+                "step_ms": [list(r) for r in self.step_ms], "forward_ms": [list(r) for r in self.forward_ms],
+                "provenance": self.provenance}
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        try:
+            raw = json.loads(path.read_text())
+            return cls(key=raw["key"], contexts=tuple(raw["contexts"]), sizes=tuple(raw["sizes"]),
+                       step_ms=tuple(map(tuple, raw["step_ms"])), forward_ms=tuple(map(tuple, raw["forward_ms"])),
+                       provenance=raw.get("provenance", {}))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CalibrationError(f"{path}: not a readable calibration file ({err}); delete it and rerun "
+                                   "python -m evaluation.calibrate") from err
+
+
+def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0] if xs[0] else 1.0)
+    if x > xs[-1]:  # extrapolate from the last two points
+        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+    if x < xs[0]:
+        return ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (x - xs[0])
+    return float(np.interp(x, xs, ys))
+
+
+def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence[int], repeats: int,
+            progress: bool = True) -> tuple[list[list[float]], list[list[float]]]:
+    """Median step and forward times (ms) of ``engine.verify`` for every (context, q)."""
+    candidate = load_template("wide")
+    if max(sizes) - 1 > len(candidate):
+        raise CalibrationError(f"calibration.sizes go up to {max(sizes)}, but the candidate tree has "
+                               f"{len(candidate)} nodes; use sizes up to {len(candidate) + 1}")
+    gen = torch.Generator().manual_seed(0)
+    shapes = {q: from_rank_paths(candidate[: q - 1])[0] for q in sizes if q > 1}
+    step_ms, forward_ms = [], []
+    for context in contexts:
+        cache = DynamicCache()
+        prefix = torch.randint(vocab, (1, context), generator=gen).to(engine.device)
+        with torch.inference_mode():
+            engine.model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{engine.cache_kw: cache})
+        steps, forwards = [], []
+        for q in sizes:
+            draft = None if q == 1 else Draft(torch.randint(vocab, (q - 1,), generator=gen).to(engine.device), shapes[q])
+            totals, inner = [], []
+            for r in range(repeats + 1):  # the first is a warm-up
+                engine.forward_time = 0.0
+                engine.sync()
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    engine.verify(int(prefix[0, -1]), context, draft, cache)
+                engine.sync()
+                if r:
+                    totals.append(1000 * (time.perf_counter() - start))
+                    inner.append(1000 * engine.forward_time)
+                Engine.truncate(cache, context)
+            steps.append(statistics.median(totals))
+            forwards.append(statistics.median(inner))
+        if progress:
+            print(f"calibrate: context {context}: " + ", ".join(f"q={q} {t:.1f} ms" for q, t in
+                                                                 zip(sizes, steps) if q in (1, 8, 32, 128)),
+                  file=sys.stderr)
+        step_ms.append(steps)
+        forward_ms.append(forwards)
+    return step_ms, forward_ms
+
+
+def plot(calibration: Calibration, path: Path) -> None:
+    """Step time over the single-token step time against q, one line per context length."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.5, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for context, row in zip(calibration.contexts, calibration.step_ms):
+        ax.plot(calibration.sizes, [t / row[0] for t in row], marker=".", label=f"context {context}")
+    ax.set_xlabel("tokens verified per step (q, root included)")
+    ax.set_ylabel("step time / step time at q=1")
+    key = calibration.key
+    ax.set_title(f"{key['model']} {key['dtype']}, {key['threads']} threads\n{key['device_name']}", fontsize="medium")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    fig.savefig(path, dpi=150)
+
+
+def calibrate(cfg: DictConfig) -> Path:
+    """Measure (or reuse) the calibration for ``cfg``'s model, device, dtype and threads; returns its file."""
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    device = models.resolve_device(cfg.device)
+    dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
+    key = machine_key(cfg.model.name, device, dtype)
+    path = file_for(resolve_path(cfg.autotree.dir), key)
+    if path.is_file() and not cfg.calibration.redo:
+        print(f"calibrate: reusing {path} (calibration.redo=true measures anew)", file=sys.stderr)
+        return path
+    loaded = models.load(cfg.model, device, dtype)
+    engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=True)
+    limit = engine.max_length or max(cfg.calibration.contexts) + max(cfg.calibration.sizes)
+    contexts = sorted(c for c in cfg.calibration.contexts if c + max(cfg.calibration.sizes) <= limit)
+    if not contexts:
+        raise CalibrationError(f"every calibration.contexts entry leaves no room for q={max(cfg.calibration.sizes)} "
+                               f"within the model's {limit} positions; list shorter contexts")
+    sizes = sorted(set(cfg.calibration.sizes) | {1})
+    print(f"calibrate: {key} -> {path}", file=sys.stderr)
+    started = time.time()
+    step_ms, forward_ms = measure(engine, len(loaded.tokenizer), sizes, contexts, cfg.calibration.repeats)
+    from evaluation.run import environment  # the run header's provenance, for the same machine facts
+
+    calibration = Calibration(key=key, contexts=tuple(contexts), sizes=tuple(sizes),
+                              step_ms=tuple(map(tuple, step_ms)), forward_ms=tuple(map(tuple, forward_ms)),
+                              provenance={**environment(device), "repeats": cfg.calibration.repeats,
+                                          "seconds": round(time.time() - started, 1),
+                                          "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(calibration.to_json(), indent=1))
+    tmp.replace(path)
+    plot(calibration, path.with_suffix(".png"))
+    outside = [1 - f / s for fs, ss in zip(forward_ms, step_ms) for f, s in zip(fs, ss)]
+    print(f"calibrate: engine time outside the forward: {100 * min(outside):.1f}-{100 * max(outside):.1f}% of a "
+          f"step; wrote {path} and {path.with_suffix('.png').name}", file=sys.stderr)
+    return path
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="calibrate")
+def main(cfg: DictConfig) -> None:
+    try:
+        calibrate(cfg)
+    except CalibrationError as err:
+        sys.exit(f"calibrate: error: {err}")
+
+
+if __name__ == "__main__":
+    main()
