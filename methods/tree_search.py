@@ -43,6 +43,7 @@ class Choice:
 
     paths: tuple[RankPath, ...]  # rank paths in BFS order
     context: int  # the context length the choice was made at
+    draft_rate: float  # share of steps expected to draft (1 for a tree that is always filled)
     expected_tokens: float  # per step, bonus included
     step_ms: float  # predicted time of one step
     tokens_per_s: float  # predicted decode tokens/s
@@ -55,7 +56,7 @@ class Choice:
     def describe(self) -> dict:
         depth = max((len(p) for p in self.paths), default=0)
         return {
-            "context": self.context, "nodes": self.n_nodes, "depth": depth,
+            "context": self.context, "nodes": self.n_nodes, "depth": depth, "draft_rate": round(self.draft_rate, 4),
             "widths": [sum(len(p) == d for p in self.paths) for d in range(1, depth + 1)],
             "expected_tokens": round(self.expected_tokens, 4), "step_ms": round(self.step_ms, 3),
             "predicted_tokens_per_s": round(self.tokens_per_s, 3),
@@ -109,7 +110,7 @@ def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes:
             best = (speed, n, tokens, seconds)
     speed, n, tokens, seconds = best
     paths = tuple(sorted((p for p, _ in ranked[:n]), key=lambda p: (len(p), p)))
-    return Choice(paths=paths, context=context, expected_tokens=tokens, step_ms=1000 * seconds,
+    return Choice(paths=paths, context=context, draft_rate=rate if n else 0.0, expected_tokens=tokens, step_ms=1000 * seconds,
                   tokens_per_s=speed, baseline_tokens_per_s=1 / base)
 
 
@@ -137,4 +138,4 @@ def plan(stats: NodeStats, step_seconds: Callable[[int, int], float], contexts: 
 def fixed(paths: Sequence[Sequence[int]]) -> TreePlan:
     """A plan with one given tree for every context (predictions unknown)."""
     nan = math.nan
-    return TreePlan(choices=(Choice(tuple(map(tuple, paths)), 0, nan, nan, nan, nan),))
+    return TreePlan(choices=(Choice(tuple(map(tuple, paths)), 0, nan, nan, nan, nan, nan),))
