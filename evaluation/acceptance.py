@@ -1,11 +1,16 @@
 """Acceptance statistics of a drafter's wide candidate tree: what ``method.tree=auto`` chooses from.
 
-    python -m evaluation.acceptance method=recycling data=spec_bench_mini max_new_tokens=48
+    python -m evaluation.acceptance method=recycling method.tree=paper-b4 data=spec_bench_mini max_new_tokens=128
 
-Runs the method with its candidate tree (``Drafter.candidate_tree``: Token Recycling's
-``conf/trees/wide.yaml``, 142 nodes; PLD's chain of 16) through ``evaluation.run`` on a calibration
-question set (durable and resumable like every run, under ``<autotree.dir>/runs``), then counts for
-every node, by rank path, the share of drafting steps in which it lay on the accepted path. Collect
+Runs the method through ``evaluation.run`` on a calibration question set (durable and resumable like
+every run, under ``<autotree.dir>/runs``) and counts, for every node of its wide candidate tree
+(``Drafter.candidate_tree``: Token Recycling's ``conf/trees/wide.yaml``, 142 nodes; PLD's chain of 16),
+by rank path, the share of drafting steps in which it was, or would have been, accepted. PLD verifies
+the candidate chain itself: what it drafts depends only on the context, which greedy decoding fixes.
+Token Recycling's matrix learns from the positions it verifies, so a 142-node run would overstate
+what a small tree accepts: it verifies ``method.tree`` (``auto``: the plan made from earlier
+statistics, so a second pass converges on the tree it measures) and scores the candidate tree in its
+shadow (:class:`~methods.tree_search.ShadowTree`). Collect
 them on questions you do not evaluate: ``method.tree=auto`` refuses statistics whose questions overlap
 the evaluated ones. The file is keyed by model, dtype and the method's other settings (greedy
 verification is exact, so acceptance is a property of the model and the drafter, not of the hardware).
@@ -70,11 +75,22 @@ def files_for(directory: Path, model: str, dtype: str, method: DictConfig, data:
 
 
 def count(records: Iterable[dict]) -> tuple[Counter, int, int]:
-    """Accepted-node counts by rank path, decode steps, and steps that drafted at least one node."""
+    """Accepted-node counts by rank path, decode steps, and steps that drafted at least one node.
+
+    From the shadow tree's counters where the drafter scored one (``drafter_stats``), else from the
+    verified steps' accepted paths.
+    """
     nodes: Counter = Counter()
     steps = drafting = 0
     for record in records:
         choice = record.get("choices", [{}])[0]
+        shadows = [s for s in choice.get("drafter_stats", []) if "shadow_steps" in s]
+        for shadow in shadows:
+            steps += shadow["shadow_steps"]
+            drafting += shadow["shadow_steps"]
+            nodes.update({tuple(map(int, name.split("."))): n for name, n in shadow["shadow_accepted"].items()})
+        if shadows:
+            continue
         for path, size in zip(choice.get("accept_paths", []), choice.get("block_sizes", [])):
             steps += 1
             drafting += size > 1
@@ -111,7 +127,11 @@ def collect(cfg: DictConfig) -> Path:
     cls, param = tunable(cfg.method)
     run_cfg = cfg.copy()
     with open_dict(run_cfg):
-        run_cfg.method[param] = cls.candidate_tree
+        if cls.shadow_param:  # verify method.<param> (auto: the current plan) and score the candidate in its shadow
+            run_cfg.method[cls.shadow_param] = cls.candidate_tree
+            run_cfg.autotree.allow_overlap = True  # the plan verified with is not being evaluated here
+        else:
+            run_cfg.method[param] = cls.candidate_tree
         run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs")
     result = run(run_cfg)
     meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())
@@ -124,6 +144,7 @@ def collect(cfg: DictConfig) -> Path:
     body = {
         "key": {"model": cfg.model.name, "dtype": meta["dtype"], "method": method_key(cfg.method)},
         "candidate": {param: cls.candidate_tree},
+        "scored": f"in the shadow of method.{param}={run_cfg.method[param]}" if cls.shadow_param else "verified",
         "steps": steps, "drafting_steps": drafting, "draft_rate": drafting / steps,
         "nodes": [{"path": list(p), "p": n / drafting} for p, n in sorted(nodes.items(), key=lambda x: (len(x[0]), x[0]))],
         "question_hashes": question_hashes(questions),

@@ -48,7 +48,8 @@ NOT_CHECKED = "not checked (no .meta.json)"
 
 # Per question, summed over turns; NaN where the record is an error or a Spec-Bench file lacks the field.
 COLUMNS = ("category", "group", "error", "n_turns", "tokens", "wall_time", "decode_tokens", "decode_time",
-           "prefill_time", "accept_sum", "accept_steps", "accept_lengths", "output_ids", "turns")
+           "prefill_time", "forward_time", "accept_sum", "accept_steps", "accept_lengths", "steps", "output_ids",
+           "turns")
 
 # Spec-Bench's question.jsonl: 81-160 MT-bench (ten per category, in MT_BENCH order), then 80 per task.
 _SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -174,12 +175,29 @@ def _question_row(rec: dict, categories: dict[int, str]) -> dict:
         "decode_tokens": sum(max(n - 1, 0) for n in tokens),
         "decode_time": sum(choice["decode_time"]) if "decode_time" in choice else nan,
         "prefill_time": sum(choice["prefill_time"]) if "prefill_time" in choice else nan,
+        "forward_time": nan if None in choice.get("forward_time", [None]) else sum(choice["forward_time"]),
         "accept_sum": sum(accepts) if accepts else nan,
         "accept_steps": len(accepts) if accepts else nan,
         "accept_lengths": list(accepts or []),
+        "steps": step_records(choice),
         "output_ids": ids,
         "turns": list(choice.get("turns", [])),
     }
+
+
+def step_records(choice: dict) -> list[tuple[int, int, list[int]]]:
+    """``(context length, tokens verified, accepted ranks)`` per decode step; empty for older files."""
+    paths, sizes, prompts = choice.get("accept_paths"), choice.get("block_sizes"), choice.get("prompt_tokens")
+    if paths is None or sizes is None or prompts is None:
+        return []
+    lengths, out, i = choice["accept_lengths"], [], 0
+    for prompt, n in zip(prompts, choice["decoding_steps"]):
+        context = prompt + 1  # the prefill emitted the first token
+        for j in range(i, i + n):
+            out.append((context, sizes[j], paths[j]))
+            context += lengths[j]
+        i += n
+    return out
 
 
 def load_run(path: str | Path, categories: dict[int, str] | None = None) -> Run:

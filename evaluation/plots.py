@@ -1,4 +1,4 @@
-"""Plots of a benchmark: speedup per category group, MAT vs speedup, accepted lengths per step.
+"""Plots of a benchmark: speedup per category group, MAT vs speedup, accepted lengths, acceptance by depth/rank.
 
     python -m evaluation.plots [PATH ...] [--out DIR]
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import textwrap
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -19,15 +20,22 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from evaluation import steps
 from evaluation.analysis import (OVERALL, RATIOS, SETUP_KEYS, Comparison, ResultError, add_input_arguments,
                                  comparisons_from_args, default_out_dir, setup_name, summarize)
 from evaluation.categories import group_order
 
 
-def _figure(width: float, height: float) -> tuple[Figure, object]:
+def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, object]:
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
-    return fig, fig.add_subplot()
+    return fig, fig.subplots(1, ncols) if ncols > 1 else fig.add_subplot()
+
+
+def _title(fig: Figure, text: str) -> None:
+    """A figure title wrapped to the figure's width (a long setup name must not run off the right edge)."""
+    chars = int(fig.get_figwidth() * 10)  # about ten characters per inch at the default title size
+    fig.suptitle("\n".join(textwrap.fill(line, chars) for line in text.split("\n")))
 
 
 def _colors(labels: Sequence[str]) -> dict[str, str]:
@@ -64,7 +72,7 @@ def speedup_by_group(table: pd.DataFrame, title: str = "") -> Figure:
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(np.arange(len(groups)), groups)
     ax.set_ylabel(f"speedup over {', '.join(dict.fromkeys(rows['baseline']))}")
-    ax.set_title(title or "Speedup per category group")
+    _title(fig, title or "Speedup per category group")
     ax.legend(frameon=False)
     return fig
 
@@ -87,7 +95,7 @@ def mat_vs_speedup(table: pd.DataFrame, title: str = "") -> Figure:
     ax.plot([1, top], [1, top], color="grey", linestyle="--", linewidth=0.8, label="speedup = MAT (free verification)")
     ax.set_xlabel("MAT (mean accepted tokens per forward)")
     ax.set_ylabel("speedup (Overall)")
-    ax.set_title(title or "MAT vs speedup")
+    _title(fig, title or "MAT vs speedup")
     ax.legend(frameon=False, fontsize="small")
     return fig
 
@@ -110,8 +118,36 @@ def accept_length_hist(comparisons: Sequence[Comparison], title: str = "") -> Fi
             color=[colors[label] for label in pooled])
     ax.set_xlabel("accepted tokens per decode forward (bonus included)")
     ax.set_ylabel("share of forwards")
-    ax.set_title(title or "Accepted length per step")
+    _title(fig, title or "Accepted length per step")
     ax.legend(frameon=False)
+    return fig
+
+
+def acceptance_plot(accepted: pd.DataFrame, title: str = "") -> Figure:
+    """Acceptance by depth (share of drafting steps reaching depth d) and by rank at depth 1, per method."""
+    fig, (by_depth, by_rank) = _figure(10.0, 4.2, ncols=2)
+    if accepted.empty:
+        _empty(by_depth, "no method drafted (or the result files predate per-step records)")
+        by_rank.set_axis_off()
+        return fig
+    colors = _colors(accepted["label"])
+    depths = [c for c in accepted.columns if c.startswith("d") and c[1:].isdigit()]
+    ranks = [c for c in accepted.columns if c.startswith("r") and c[1:].isdigit()]
+    width = 0.8 / len(accepted)
+    for i, row in enumerate(accepted.sort_values("label").itertuples()):
+        values = accepted.loc[row.Index]
+        by_depth.plot(range(1, len(depths) + 1), values[depths].astype(float), marker="o", color=colors[row.label],
+                      label=row.label)
+        by_rank.bar(np.arange(len(ranks)) + (i - (len(accepted) - 1) / 2) * width, values[ranks].astype(float),
+                    width, color=colors[row.label], label=row.label)
+    by_depth.set_xlabel("depth d")
+    by_depth.set_ylabel("share of drafting steps accepting depth >= d")
+    by_depth.set_ylim(0, 1)
+    by_rank.set_xticks(np.arange(len(ranks)), [c[1:] for c in ranks])
+    by_rank.set_xlabel("rank of the accepted depth-1 node among its siblings")
+    by_rank.set_ylabel("share of drafting steps")
+    by_depth.legend(frameon=False, fontsize="small")
+    _title(fig, title or "Acceptance by depth and rank")
     return fig
 
 
@@ -132,9 +168,12 @@ def plot_all(table: pd.DataFrame, comparisons: Sequence[Comparison], out_dir: Pa
         name = setup_name(setup)
         suffix = "" if len(setups) == 1 else "-" + re.sub(r"[^A-Za-z0-9.]+", "_", "-".join(setup))
         mine = [c for c in comparisons if c.setup == tuple(setup)]
-        figures = {"speedup_by_group": speedup_by_group(part, f"Speedup per category group ({name})"),
-                   "mat_vs_speedup": mat_vs_speedup(part, f"MAT vs speedup ({name})"),
-                   "accept_lengths": accept_length_hist(mine, f"Accepted length per step ({name})")}
+        accepted = steps.acceptance(mine)
+        figures = {"speedup_by_group": speedup_by_group(part, f"Speedup per category group\n{name}"),
+                   "mat_vs_speedup": mat_vs_speedup(part, f"MAT vs speedup\n{name}"),
+                   "accept_lengths": accept_length_hist(mine, f"Accepted length per step\n{name}")}
+        if not accepted.empty:
+            figures["acceptance"] = acceptance_plot(accepted, f"Acceptance by depth and rank\n{name}")
         paths += [path for stem, fig in figures.items() for path in save(fig, out_dir, stem + suffix)]
     return paths
 

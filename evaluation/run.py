@@ -101,6 +101,8 @@ def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.Load
         turns["accept_lengths"].extend(gen.accept_lengths)
         turns["accept_paths"].extend(gen.accept_paths)
         turns["block_sizes"].extend(gen.block_sizes)
+        if gen.drafter_stats:  # a drafter that reports counters reports them for every turn
+            turns.setdefault("drafter_stats", []).append(gen.drafter_stats)
     return {"choices": [{"index": 0, **turns}]}
 
 

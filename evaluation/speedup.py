@@ -17,8 +17,10 @@ from typing import Sequence
 
 import pandas as pd
 
+from evaluation import steps
 from evaluation.analysis import (CHECKED, DEFINITIONS, RATIOS, SETUP_KEYS, ResultError, add_input_arguments,
                                  comparisons_from_args, default_out_dir, setup_name, summarize)
+from evaluation.data import resolve_path
 
 # Displayed columns: (header, table column, decimals); a column with a "<name>_std" shows mean ± std.
 COLUMNS = (
@@ -57,9 +59,10 @@ def display_rows(table: pd.DataFrame) -> list[list[str]]:
     return rows
 
 
-def render_text(headers: Sequence[str], rows: list[list[str]], markdown: bool = False) -> str:
+def render_text(headers: Sequence[str], rows: list[list[str]], markdown: bool = False,
+                left: Sequence[bool] | None = None) -> str:
     """Aligned columns, text left and numbers right; with pipes and an alignment row for Markdown."""
-    left = [decimals is None for _, _, decimals in COLUMNS]
+    left = left or [decimals is None for _, _, decimals in COLUMNS]
     widths = [max(3 if markdown else 1, *(len(r[i]) for r in [list(headers), *rows])) for i in range(len(headers))]
 
     def line(cells: Sequence[str]) -> str:
@@ -115,13 +118,66 @@ def format_table(table: pd.DataFrame, style: str = "text") -> str:
     return "\n\n".join(out) + "\n"
 
 
-def write_outputs(table: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """speedup.md, speedup.csv and speedup.tex under ``out_dir``."""
+PERCENT = "%"
+ACCEPTANCE_COLUMNS = (
+    ("Method", "label", None), ("Steps", "steps", 0), ("Draft %", "draft_rate", PERCENT),
+    *((f"d{d}", f"d{d}", PERCENT) for d in range(1, steps.MAX_DEPTH + 1)),
+    *((f"r{r}", f"r{r}", PERCENT) for r in range(steps.MAX_RANK)),
+)
+ACCEPTANCE_TEXT = ("acceptance over drafting steps (at least one draft node; Draft % of all decode steps): dN = share "
+                   "that accepted a node at depth N, rN = share whose accepted depth-1 node was its parent's "
+                   "(N+1)-th child (rank N); pooled over runs")
+COST_COLUMNS = (
+    ("Method", "label", None), ("Runs", "n_runs", 0), ("Decode tok/s", "decode_tokens_per_s", 1),
+    ("Calibrated tok/s", "calibrated_decode_tokens_per_s", 1), ("MAT", "mat", 2), ("Pred. MAT", "predicted_mat", 2),
+    ("Pred. tok/s", "predicted_decode_tokens_per_s", 1), ("Outside fwd %", "outside_forward", PERCENT),
+)
+COST_TEXT = ("cost model, Overall, total decode tokens / decode time: Calibrated tok/s = what the device calibration "
+             "predicts for the steps the run made (checks the calibration); Pred. MAT / Pred. tok/s = what a "
+             "tree=auto plan predicted from calibration x acceptance statistics (checks the statistics); Outside fwd "
+             "% = decode time outside the model forward (engine + drafter); n/a: no calibration for the run's "
+             "machine, or no plan")
+
+
+def simple_table(frame: pd.DataFrame, columns: Sequence[tuple], title: str, style: str) -> str:
+    """A plain table (no std) per setup, as text or Markdown, with one explanatory line."""
+    headers = [h for h, _, _ in columns]
+    left = [d is None for _, _, d in columns]
+    out = []
+    for setup, part in frame.groupby(list(SETUP_KEYS), sort=False):
+        rows = [[str(row[c]) if d is None else _number(100 * row[c], 1) if d == PERCENT else _number(row[c], d)
+                 for _, c, d in columns] for _, row in part.iterrows()]
+        body = render_text(headers, rows, markdown=style == "md", left=left)
+        head = f"### {title} ({setup_name(setup)})" if style == "md" else f"{title} ({setup_name(setup)})"
+        out.append(f"{head}\n\n{body}\n\n- " if style == "md" else f"{head}\n{body}\n")
+    return "\n".join(out)
+
+
+def format_steps(accepted: pd.DataFrame, cost: pd.DataFrame, style: str = "text") -> str:
+    """The acceptance and cost-model tables (empty for result files without per-step records)."""
+    parts = []
+    for frame, columns, title, text in ((accepted, ACCEPTANCE_COLUMNS, "Acceptance by depth and rank", ACCEPTANCE_TEXT),
+                                        (cost, COST_COLUMNS, "Cost model", COST_TEXT)):
+        if not frame.empty:
+            parts.append(simple_table(frame, columns, title, style) + text)
+    return "\n\n".join(parts) + ("\n" if parts else "")
+
+
+def write_outputs(table: pd.DataFrame, out_dir: Path, accepted: pd.DataFrame | None = None,
+                  cost: pd.DataFrame | None = None) -> list[Path]:
+    """speedup.md, speedup.csv and speedup.tex under ``out_dir`` (+ acceptance.csv, cost_model.csv)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    accepted = pd.DataFrame() if accepted is None else accepted
+    cost = pd.DataFrame() if cost is None else cost
     paths = [out_dir / f"speedup.{ext}" for ext in ("md", "csv", "tex")]
-    paths[0].write_text(format_table(table, "md"), encoding="utf-8")
+    extra = format_steps(accepted, cost, "md")
+    paths[0].write_text(format_table(table, "md") + ("\n" + extra if extra else ""), encoding="utf-8")
     table.to_csv(paths[1], index=False)
     paths[2].write_text(format_table(table, "tex"), encoding="utf-8")
+    for name, frame in (("acceptance", accepted), ("cost_model", cost)):
+        if not frame.empty:
+            paths.append(out_dir / f"{name}.csv")
+            frame.to_csv(paths[-1], index=False)
     return paths
 
 
@@ -136,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where to write speedup.md/.csv/.tex (default: the results folder)")
     parser.add_argument("--json", action="store_true",
                         help="print the table as JSON (one object per setup x method x group) instead of text")
+    parser.add_argument("--calibration", type=Path, default=Path("results/calibration"), metavar="DIR",
+                        help="where device calibrations are (python -m evaluation.calibrate; default: "
+                             "results/calibration), for the cost-model table")
     args = parser.parse_args(argv)
     try:
         comparisons, notes = comparisons_from_args(args)
@@ -145,11 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     for note in notes:
         print(f"speedup: {note}", file=sys.stderr)
+    accepted = steps.acceptance(comparisons)
+    cost = steps.cost_model(comparisons, resolve_path(args.calibration))
     if args.json:
         print(json.dumps(json.loads(table.to_json(orient="records")), indent=1))
     else:
         print(format_table(table), end="")
-    paths = write_outputs(table, args.out or default_out_dir(args.paths))
+        extra = format_steps(accepted, cost)
+        print("\n" + extra if extra else "", end="")
+    paths = write_outputs(table, args.out or default_out_dir(args.paths), accepted, cost)
     print(f"speedup: wrote {', '.join(map(str, paths))}", file=sys.stderr)
     return 0
 

@@ -51,6 +51,10 @@ class Drafter:
     tree_param: str | None = None
     #: that argument's value while acceptance statistics are collected: a wide candidate tree
     candidate_tree: object = None
+    #: the constructor argument that takes a tree to score in the shadow of the verified one
+    #: (:class:`~methods.tree_search.ShadowTree`), for drafters whose state learns from what is verified;
+    #: None: statistics come from verifying the candidate tree itself
+    shadow_param: str | None = None
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size  # the model's logit width (may exceed len(tokenizer))
@@ -65,6 +69,10 @@ class Drafter:
 
     def observe(self, step: Step) -> None:
         """Learn from a verification step."""
+
+    def finish(self) -> dict:
+        """Facts about the generation that just ended (counters), recorded with its turn; {} for none."""
+        return {}
 
     def describe(self) -> dict:
         """Facts about the drafter worth printing and recording with a run (e.g. memory used)."""

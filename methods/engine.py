@@ -41,6 +41,7 @@ class Generation:
     prefill_time: float = 0.0  # seconds: prefill forward and first token
     decode_time: float = 0.0  # seconds: all decode steps
     forward_time: float | None = None  # seconds of decode_time inside the model forward (when timed)
+    drafter_stats: dict = field(default_factory=dict)  # Drafter.finish(): the drafter's own counters
 
     @property
     def wall_time(self) -> float:
@@ -119,7 +120,7 @@ class Engine:
             step.emitted = emitted
             gen.output_ids += emitted
             gen.accept_lengths.append(len(emitted))
-            gen.accept_paths.append(step.path_ranks[: len(emitted) - 1])
+            gen.accept_paths.append(step.path_ranks[: len(emitted)])  # a budget cut may drop the bonus first
             gen.block_sizes.append(step.shape.size)
             ids += emitted
             drafter.observe(step)
@@ -128,6 +129,7 @@ class Engine:
         self.sync()
         gen.decode_time = time.perf_counter() - start
         gen.forward_time = self.forward_time if self.time_forward else None
+        gen.drafter_stats = drafter.finish()
         return gen
 
     def _stop(self, emitted: list[int], room: int) -> list[int]:

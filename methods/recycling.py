@@ -15,7 +15,7 @@ import torch
 from methods import tree_search
 from methods.drafter import Drafter, Step
 from methods.tree import Draft, TreeShape, from_rank_paths, load_template
-from methods.tree_search import TreePlan
+from methods.tree_search import ShadowTree, TreePlan
 
 
 class TokenRecycling(Drafter):
@@ -33,6 +33,7 @@ class TokenRecycling(Drafter):
 
     tree_param = "tree"
     candidate_tree = "wide"
+    shadow_param = "shadow"
 
     def __init__(
         self,
@@ -41,7 +42,10 @@ class TokenRecycling(Drafter):
         tree: str | Sequence[Sequence[int]] | TreePlan = "paper",
         k: int = 8,
         start: Literal["hot", "cold"] = "hot",
+        shadow: str | Sequence[Sequence[int]] | None = None,
     ):
+        """``shadow``: a tree filled at every step besides the verified one and scored against the true
+        continuation (:class:`ShadowTree`), for acceptance statistics; reported per turn by ``finish``."""
         if start not in ("hot", "cold"):
             raise ValueError(f"method.start must be 'hot' or 'cold', got {start!r}")
         if k < 1:
@@ -55,6 +59,11 @@ class TokenRecycling(Drafter):
         index_dtype = torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
         # One scratch row at index V absorbs the writes that lose a tie (see _write).
         self.matrix = torch.zeros(vocab_size + 1, k, dtype=index_dtype, device=self.device)  # [V+1, k]
+        self.shadow = None
+        if shadow is not None:
+            shape, levels = self._tree(load_template(shadow) if isinstance(shadow, str) else shadow, k)
+            self.shadow, self._shadow_levels = ShadowTree(shape, self.device), levels
+            self._shadow_tokens = torch.zeros(shape.n_nodes, dtype=torch.long, device=self.device)
         n1 = max((shape.n_nodes for shape, _ in self.trees if shape is not None), default=1)
         self._tokens = torch.zeros(n1, dtype=torch.long, device=self.device)  # [root, nodes]
 
@@ -80,16 +89,26 @@ class TokenRecycling(Drafter):
             self._write(prompt, prefill_logits, priority=torch.arange(len(prompt), device=prompt.device))
 
     def propose(self, ids: list[int]) -> Draft | None:
+        if self.shadow is not None:
+            self.shadow.add(self._fill(self._shadow_tokens, self._shadow_levels, ids[-1]))
         shape, levels = self.trees[self.plan.index(len(ids))]
         if shape is None:  # the plan found no tree worth its cost at this context length
             return None
-        tokens = self._tokens
-        tokens[0] = ids[-1]
+        return Draft(self._fill(self._tokens, levels, ids[-1])[1 : shape.n_nodes], shape)
+
+    def _fill(self, tokens: torch.Tensor, levels: list, root: int) -> torch.Tensor:
+        """``tokens`` = [root, nodes] with node = M[parent's token, node's rank], breadth first."""
+        tokens[0] = root
         for parents, ranks, nodes in levels:
             tokens[nodes] = self.matrix[tokens[parents], ranks].long()
-        return Draft(tokens[1 : shape.n_nodes], shape)
+        return tokens
+
+    def finish(self) -> dict:
+        return self.shadow.finish() if self.shadow is not None else {}
 
     def observe(self, step: Step) -> None:
+        if self.shadow is not None:
+            self.shadow.emitted(step.emitted)
         n1 = step.shape.n_nodes
         priority = torch.arange(n1, device=step.tokens.device)
         priority[step.accepted] += n1

@@ -21,6 +21,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+import torch
+
+from methods.tree import TreeShape
+
 RankPath = tuple[int, ...]
 
 
@@ -139,3 +143,60 @@ def fixed(paths: Sequence[Sequence[int]]) -> TreePlan:
     """A plan with one given tree for every context (predictions unknown)."""
     nan = math.nan
     return TreePlan(choices=(Choice(tuple(map(tuple, paths)), 0, nan, nan, nan, nan, nan),))
+
+
+class ShadowTree:
+    """Acceptance of a tree that a drafter fills but does not verify, scored against the true continuation.
+
+    Greedy output does not depend on the drafts, so once the tokens after a step are known, whether a
+    node of any tree would have been accepted at that step is exact: its path's tokens equal the next
+    tokens. This measures a wide candidate tree under the drafter's state as it evolves with the tree
+    actually verified (Token Recycling's matrix learns only from verified positions, so a wide tree's
+    own run overstates what its small subtrees accept).
+    """
+
+    def __init__(self, shape: TreeShape, device: torch.device):
+        buf = shape.buffers(device, torch.float32)
+        n1 = shape.n_nodes
+        self.depth = max(shape.depth_list[:n1])
+        self._offsets = buf.depths[1:n1] - 1  # node at depth d must equal the d-th token after the root
+        self._ancestors = buf.ancestors
+        ranks = shape.sibling_ranks
+        self._names = [".".join(str(ranks[j]) for j in path[1:]) for path in shape.paths[1:]]
+        self._counts = torch.zeros(n1 - 1, dtype=torch.long, device=device)
+        self._steps = 0
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._stream: list[int] = []
+
+    def add(self, tokens: torch.Tensor) -> None:
+        """A step's filled tree ([root, nodes]), to be scored once the tokens after its root are known."""
+        self._pending.append((len(self._stream), tokens.clone()))
+
+    def emitted(self, tokens: list[int]) -> None:
+        self._stream += tokens
+        self._score(final=False)
+
+    def finish(self) -> dict:
+        """Score what is pending (the end of a generation cuts the continuation) and hand over the counts."""
+        self._score(final=True)
+        counts = self._counts.tolist()
+        out = {"shadow_steps": self._steps,
+               "shadow_accepted": {name: n for name, n in zip(self._names, counts) if n}}
+        self._counts.zero_()
+        self._steps = 0
+        self._stream = []
+        return out
+
+    def _score(self, final: bool) -> None:
+        waiting = []
+        for start, tokens in self._pending:
+            known = self._stream[start : start + self.depth]
+            if len(known) < self.depth and not final:
+                waiting.append((start, tokens))
+                continue
+            truth = torch.tensor(known + [-1] * (self.depth - len(known)), device=tokens.device)
+            correct = torch.ones(len(tokens), dtype=torch.bool, device=tokens.device)
+            correct[1:] = tokens[1:] == truth[self._offsets]
+            self._counts += (~(self._ancestors & ~correct).any(-1))[1:]
+            self._steps += 1
+        self._pending = waiting

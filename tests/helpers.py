@@ -12,9 +12,9 @@ from evaluation.data import PROJECT_ROOT
 CONF = PROJECT_ROOT / "conf"
 
 
-def config(*overrides: str) -> DictConfig:
+def config(*overrides: str, name: str = "config") -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=list(overrides))
+        return compose(name, overrides=list(overrides))
 
 
 def method_names() -> list[str]:

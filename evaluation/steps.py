@@ -1,0 +1,113 @@
+"""Per-step views of a benchmark: acceptance by depth and rank, and whether the cost model holds.
+
+Result files record, per decode step, the tokens verified (``block_sizes``) and the sibling ranks of
+the accepted draft nodes (``accept_paths``), and per turn the prompt length, so every step's context
+length is known. From these:
+
+* **acceptance by depth**: the share of drafting steps (at least one draft node) that accepted a node at
+  depth d; **by rank**: the share whose accepted depth-1 node was the r-th alternative;
+* **cost model**: the decode tokens/s the device calibration predicts for the steps the run actually
+  made (does the calibration hold?), the MAT and decode tokens/s that a ``tree=auto`` plan predicted
+  (do the acceptance statistics hold?), and the share of decode time spent outside the model forward
+  (the engine's and the drafter's own cost).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+from evaluation.analysis import OVERALL, SETUP_KEYS, Comparison
+from evaluation.calibrate import Calibration, CalibrationError, file_for
+
+MAX_DEPTH = 8
+MAX_RANK = 8
+
+
+def _steps(comparison: Comparison) -> list[tuple[int, int, list[int]]]:
+    frame = comparison.run.frame.loc[comparison.run.ok_ids]
+    return [step for steps in frame["steps"] for step in steps]
+
+
+def acceptance(comparisons: Sequence[Comparison]) -> pd.DataFrame:
+    """One row per setup and method label (pooled over its runs): drafting steps, depth and rank shares."""
+    pooled: dict[tuple, list] = {}
+    for c in comparisons:
+        if not c.is_reference:
+            pooled.setdefault((*c.setup, c.run.label), []).extend(_steps(c))
+    rows = []
+    for key, steps in pooled.items():
+        drafting = [path for _, size, path in steps if size > 1]
+        if not drafting:
+            continue
+        row = {**dict(zip(SETUP_KEYS, key[:-1])), "label": key[-1], "steps": len(steps),
+               "draft_rate": len(drafting) / len(steps)}
+        row |= {f"d{d}": sum(len(p) >= d for p in drafting) / len(drafting) for d in range(1, MAX_DEPTH + 1)}
+        row |= {f"r{r}": sum(bool(p) and p[0] == r for p in drafting) / len(drafting) for r in range(MAX_RANK)}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def find_calibration(meta: dict | None, directory: Path) -> Calibration | None:
+    """The calibration made on the run's own machine, model, dtype, threads and torch, if there is one."""
+    if not meta:
+        return None
+    key = {"device_name": meta.get("device_name"), "model": meta.get("model"), "dtype": meta.get("dtype"),
+           "threads": meta.get("torch_threads"), "torch": (meta.get("versions") or {}).get("torch")}
+    if None in key.values():
+        return None
+    path = file_for(directory, key)
+    try:
+        return Calibration.load(path) if path.is_file() else None
+    except CalibrationError:
+        return None
+
+
+def _plan_prediction(plan: dict, steps: list, calibration: Calibration) -> tuple[float, float]:
+    """Predicted MAT and decode tokens/s of a plan at the steps' context lengths."""
+    buckets = plan["buckets"]
+    bounds = [b["below"] for b in buckets[:-1]]
+    tokens = seconds = 0.0
+    for context, _, _ in steps:
+        b = buckets[sum(context >= bound for bound in bounds)]
+        rate = b.get("draft_rate", 1.0 if b["nodes"] else 0.0)
+        tokens += b["expected_tokens"]
+        seconds += rate * calibration.seconds(b["nodes"] + 1, context) + (1 - rate) * calibration.seconds(1, context)
+    return tokens / len(steps), tokens / seconds
+
+
+def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.DataFrame:
+    """One row per run (Overall): measured decode tokens/s and MAT beside what the cost model predicts."""
+    rows = []
+    for c in comparisons:
+        frame = c.run.frame.loc[c.run.ok_ids]
+        steps = _steps(c)
+        if not steps:
+            continue
+        decode_tokens, decode_time = frame["decode_tokens"].sum(), frame["decode_time"].sum()
+        row = {**dict(zip(SETUP_KEYS, c.setup)), "label": c.run.label, "run": c.run.index,
+               "group": OVERALL, "reference": c.is_reference,
+               "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else math.nan,
+               "mat": frame["accept_sum"].sum() / frame["accept_steps"].sum(),
+               "outside_forward": 1 - frame["forward_time"].sum(min_count=len(frame)) / decode_time,
+               "calibrated_decode_tokens_per_s": math.nan, "predicted_mat": math.nan,
+               "predicted_decode_tokens_per_s": math.nan}
+        calibration = find_calibration(c.run.meta, calibration_dir)
+        if calibration is not None:
+            row["calibrated_decode_tokens_per_s"] = decode_tokens / sum(
+                calibration.seconds(size, context) for context, size, _ in steps)
+            plan = ((c.run.meta or {}).get("drafter") or {}).get("plan")
+            if plan:
+                row["predicted_mat"], row["predicted_decode_tokens_per_s"] = _plan_prediction(plan, steps, calibration)
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    keys = [*SETUP_KEYS, "label", "group", "reference"]
+    return table.groupby(keys, sort=False).agg(n_runs=("run", "nunique"), **{
+        col: (col, "mean") for col in ("decode_tokens_per_s", "calibrated_decode_tokens_per_s", "mat",
+                                       "predicted_mat", "predicted_decode_tokens_per_s", "outside_forward")
+    }).reset_index()

@@ -1,0 +1,257 @@
+"""Hardware-aware trees: the tree search, the calibration and acceptance files, tree=auto end to end on a tiny model,
+and the per-step analysis (acceptance by depth and rank, the cost-model check)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from evaluation import analysis, calibrate, plots, speedup, steps
+from evaluation.acceptance import collect, count
+from evaluation.autotree import AutoTreeError
+from evaluation.calibrate import Calibration
+from evaluation.run import run
+from helpers import config, tiny_checkpoint
+from methods.engine import Engine
+from methods.pld import PromptLookup
+from methods.recycling import TokenRecycling
+from methods.tree import from_rank_paths, load_template
+from methods.tree_search import NodeStats, best_tree, plan
+
+from conftest import VOCAB
+
+PROBS = {(0,): 0.5, (1,): 0.2, (0, 0): 0.3, (0, 1): 0.1, (1, 0): 0.05, (0, 0, 0): 0.15}
+
+
+def linear(per_token: float):
+    """A step costing 1 + per_token x (q - 1) (in seconds), whatever the context."""
+    return lambda q, context=0: 1 + per_token * (q - 1)
+
+
+def test_best_tree_of_n_nodes_is_the_n_most_accepted_and_closed_under_parents():
+    stats = NodeStats(PROBS)
+    free = best_tree(stats, linear(0.0))  # verification is free: take every node that was ever accepted
+    assert set(free.paths) == set(PROBS) and free.expected_tokens == pytest.approx(1 + sum(PROBS.values()))
+    assert free.paths == tuple(sorted(PROBS, key=lambda p: (len(p), p)))  # BFS order
+    for per_token in (0.05, 0.1, 0.2):
+        choice = best_tree(stats, linear(per_token))
+        ranked = [p for p, _ in stats.ranked()][: choice.n_nodes]
+        assert set(choice.paths) == set(ranked)
+        assert all(p[:-1] in choice.paths for p in choice.paths if len(p) > 1)
+        assert choice.tokens_per_s == pytest.approx(choice.expected_tokens / (1 + per_token * choice.n_nodes))
+    assert best_tree(stats, linear(1.0)).paths == ()  # every node costs a whole step: no tree pays
+
+
+def test_the_chosen_size_maximises_tokens_per_second():
+    stats = NodeStats(PROBS)
+    cost = linear(0.12)
+    choice = best_tree(stats, cost)
+    ranked = [p for _, p in stats.ranked()]
+    speeds = [(1 + sum(ranked[:n])) / cost(n + 1) for n in range(len(ranked) + 1)]
+    assert choice.n_nodes == max(range(len(speeds)), key=speeds.__getitem__)
+
+
+def test_steps_without_a_draft_cost_a_single_token_step():
+    stats = NodeStats({(0,): 0.8, (0, 0): 0.6}, draft_rate=0.5)
+    choice = best_tree(stats, linear(0.1))
+    assert choice.n_nodes == 2 and choice.draft_rate == 0.5
+    assert choice.expected_tokens == pytest.approx(1 + 0.5 * 1.4)
+    assert choice.step_ms == pytest.approx(1000 * (0.5 * 1.2 + 0.5 * 1.0))
+
+
+def test_plan_shrinks_the_tree_as_the_context_makes_it_dearer_and_merges_equal_buckets():
+    stats = NodeStats(PROBS)
+    dearer = plan(stats, lambda q, c: 1 + (q - 1) * c / 1000, contexts=[10, 100, 400, 4000])
+    sizes = [c.n_nodes for c in dearer.choices]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 0
+    assert len(dearer.bounds) == len(dearer.choices) - 1
+    assert dearer.index(0) == 0 and dearer.index(10**6) == len(dearer.choices) - 1
+    flat = plan(stats, linear(0.01), contexts=[128, 512, 2048])
+    assert len(flat.choices) == 1 and flat.bounds == ()
+
+
+def test_sibling_ranks_are_the_template_ranks_of_the_wide_tree():
+    """Acceptance statistics are keyed by sibling-rank paths: for the candidate trees they are the template paths."""
+    for name in ("wide", "paper", "paper-b5", "paper-b4", "paper-b3", "chain6"):
+        paths = sorted(map(tuple, load_template(name)), key=lambda p: (len(p), p))
+        shape, ranks = from_rank_paths(paths)
+        assert list(shape.sibling_ranks[1:]) == ranks.tolist(), name
+        assert all(shape.sibling_ranks[i] == p[-1] for i, p in zip(range(1, shape.n_nodes), paths))
+
+
+def test_the_engine_records_every_steps_accepted_ranks_and_block_size(llama):
+    drafter = TokenRecycling(VOCAB, tree="paper-b4")
+    engine = Engine(llama, eos_token_ids=set(), time_forward=True)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]
+    engine.generate(prompt, drafter, 40)  # hot start: the second generation accepts drafts
+    gen = engine.generate(prompt, drafter, 40)
+    shape = drafter.trees[0][0]
+    assert len(gen.accept_paths) == len(gen.block_sizes) == gen.decoding_steps
+    assert set(gen.block_sizes) == {shape.size}
+    assert [len(p) + 1 for p in gen.accept_paths[:-1]] == gen.accept_lengths[:-1]
+    assert len(gen.accept_paths[-1]) in (gen.accept_lengths[-1] - 1, gen.accept_lengths[-1])  # the budget may cut
+    nodes = {tuple(shape.sibling_ranks[j] for j in path[1:]) for path in shape.paths}
+    assert all(tuple(p) in nodes for p in gen.accept_paths) and max(gen.accept_lengths) > 1
+    assert 0 < gen.forward_time <= gen.decode_time
+
+
+def test_count_pools_accepted_prefixes_over_drafting_steps():
+    records = [{"choices": [{"accept_paths": [[0, 1], [], [2]], "block_sizes": [5, 1, 5]}]}, {"error": {}}]
+    nodes, steps_, drafting = count(records)
+    assert (steps_, drafting) == (3, 2)
+    assert nodes == {(0,): 1, (0, 1): 1, (2,): 1}
+
+
+def test_calibration_interpolates_and_extrapolates_linearly():
+    cal = Calibration(key={}, contexts=(100, 300), sizes=(1, 3), step_ms=((10.0, 20.0), (30.0, 40.0)),
+                      forward_ms=((9.0, 19.0), (29.0, 39.0)), provenance={})
+    assert cal.seconds(2, 200) == pytest.approx(0.025)
+    assert cal.seconds(5, 100) == pytest.approx(0.030)  # past the largest q: the last slope goes on
+    assert cal.seconds(1, 500) == pytest.approx(0.050)  # past the longest context likewise
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """A tiny checkpoint, two disjoint question files, and the common overrides."""
+    root = tmp_path_factory.mktemp("autotree")
+    checkpoint = tiny_checkpoint(root / "ckpt", max_positions=256)
+    words = "a b c d e f g h".split()
+
+    def questions(name: str, offset: int) -> Path:
+        path = root / f"{name}.jsonl"
+        lines = [json.dumps({"question_id": i, "category": "qa",
+                             "turns": [" ".join((words[(i + offset) % 8:] + words[:(i + offset) % 8]) * 3)]})
+                 for i in range(4)]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    common = ["model=hf", f"model.path={checkpoint}", "model.template=plain", "max_new_tokens=24", "dtype=float32",
+              "device=cpu", "threads=1", f"autotree.dir={root / 'calibration'}", "run.progress=false", "warmup=0"]
+    return {"root": root, "calib": questions("calib", 0), "eval": questions("eval", 4), "common": common}
+
+
+def test_calibration_file_is_keyed_reused_and_refused_elsewhere(tiny):
+    common = [*tiny["common"], "calibration.sizes=[1,2,4,8]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    cfg = config(*common, name="calibrate")
+    path = calibrate.calibrate(cfg)
+    cal = Calibration.load(path)
+    assert cal.key["threads"] == torch.get_num_threads() and cal.key["dtype"] == "float32"
+    assert cal.contexts == (16, 64) and cal.sizes == (1, 2, 4, 8)
+    assert all(t > 0 for row in cal.step_ms for t in row)
+    assert all(f <= s for fs, ss in zip(cal.forward_ms, cal.step_ms) for f, s in zip(fs, ss))
+    assert path.with_suffix(".png").is_file()
+    mtime = path.stat().st_mtime_ns
+    assert calibrate.calibrate(cfg) == path and path.stat().st_mtime_ns == mtime  # same key: reused
+    other = json.loads(path.read_text())
+    other["key"]["device_name"] = "NVIDIA A100-SXM4-80GB"
+    foreign = tiny["root"] / "a100.json"
+    foreign.write_text(json.dumps(other))
+    with pytest.raises(AutoTreeError, match=r"refusing calibration .*device_name \(.*A100"):
+        run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=recycling", "method.tree=auto",
+                   f"autotree.calibration={foreign}", f"run.dir={tiny['root'] / 'never'}"))
+    assert not (tiny["root"] / "never").exists()
+
+
+def test_tree_auto_without_statistics_names_the_command(tiny):
+    with pytest.raises(AutoTreeError, match="python -m evaluation.acceptance .*method=recycling"):
+        run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=recycling", "method.tree=auto",
+                   f"run.dir={tiny['root'] / 'never'}"))
+
+
+def test_without_a_calibration_tree_auto_names_the_command(tmp_path, tiny):
+    with pytest.raises(AutoTreeError, match="python -m evaluation.calibrate model=hf"):
+        run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=pld", "method.num_pred_tokens=auto",
+                   f"autotree.dir={tmp_path}", f"run.dir={tmp_path / 'never'}"))
+
+
+@pytest.mark.parametrize("method, param", [("recycling", "tree"), ("pld", "num_pred_tokens")])
+def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, method, param, capsys):
+    cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    calibrate.calibrate(config(*tiny["common"], *cal_cfg, name="calibrate"))
+    stats_path = collect(config(*tiny["common"], f"data.path={tiny['calib']}", f"method={method}"))
+    stats = json.loads(stats_path.read_text())
+    assert stats["candidate"] == {param: {"recycling": "wide", "pld": 16}[method]}
+    assert stats["steps"] > 0 and all(0 < n["p"] <= 1 for n in stats["nodes"])
+
+    # statistics collected on the evaluated questions are refused, unless allowed
+    with pytest.raises(AutoTreeError, match="collected on 4 of the questions evaluated"):
+        run(config(*tiny["common"], f"data.path={tiny['calib']}", f"method={method}", f"method.{param}=auto",
+                   f"run.dir={tiny['root'] / 'never'}"))
+
+    out = tiny["root"] / "results"
+    base = run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=baseline", f"run.dir={out}"))
+    auto = run(config(*tiny["common"], f"data.path={tiny['eval']}", f"method={method}", f"method.{param}=auto",
+                      f"run.dir={out}"))
+    ids = [[r["choices"][0]["output_ids"] for r in map(json.loads, p.read_text().splitlines())] for p in (base, auto)]
+    assert ids[0] == ids[1]
+    meta = json.loads(auto.with_name(auto.name.replace(".jsonl", ".meta.json")).read_text())
+    planned = meta["drafter"]["plan"]
+    assert planned["sources"]["acceptance"] == str(stats_path)
+    assert {"nodes", "expected_tokens", "predicted_tokens_per_s", "context"} <= set(planned["buckets"][0])
+
+    assert speedup.main([str(auto.parent), "--out", str(tiny["root"] / "tables"), "--calibration",
+                         str(tiny["root"] / "calibration")]) == 0
+    text = capsys.readouterr().out
+    assert "Cost model" in text and "Calibrated tok/s" in text
+    comparisons, _ = analysis.pair_runs(analysis.load_runs([auto.parent]))
+    cost = steps.cost_model(comparisons, tiny["root"] / "calibration")
+    row = cost[cost["label"].str.contains("auto")].iloc[0]
+    assert not math.isnan(row["calibrated_decode_tokens_per_s"]) and not math.isnan(row["predicted_mat"])
+    assert 0 <= row["outside_forward"] < 1
+
+
+def test_acceptance_by_depth_and_rank_from_step_records(tmp_path):
+    folder = tmp_path / "results" / "tiny" / "mini"
+    folder.mkdir(parents=True)
+    header = {"model": "tiny", "data": "mini", "dtype": "float32", "device": "cpu", "max_new_tokens": 8,
+              "question_ids": [1]}
+    choice = {"turns": ["x"], "new_tokens": [6], "wall_time": [1.0], "decoding_steps": [4], "output_ids": [[1] * 6],
+              "prompt_tokens": [10], "prefill_time": [0.1], "decode_time": [0.9], "forward_time": [0.8]}
+    runs = {"baseline": dict(choice, decoding_steps=[5], output_ids=[[1] * 6], accept_lengths=[1] * 5,
+                             accept_paths=[[]] * 5, block_sizes=[1] * 5),
+            "tree": dict(choice, accept_lengths=[3, 1, 2, 1], accept_paths=[[0, 0], [], [1], []],
+                         block_sizes=[5, 5, 5, 1])}
+    for label, c in runs.items():
+        (folder / f"{label}.jsonl").write_text(json.dumps({"question_id": 1, "category": "qa", "choices": [c]}) + "\n")
+        method = "baseline" if label == "baseline" else "recycling"
+        (folder / f"{label}.meta.json").write_text(json.dumps({**header, "method": method, "label": label}))
+    comparisons, _ = analysis.pair_runs(analysis.load_runs([folder]))
+    table = steps.acceptance(comparisons)
+    row = table[table["label"] == "tree"].iloc[0]
+    assert row["steps"] == 4 and row["draft_rate"] == pytest.approx(0.75)
+    assert (row["d1"], row["d2"], row["d3"]) == pytest.approx((2 / 3, 1 / 3, 0))
+    assert (row["r0"], row["r1"], row["r2"]) == pytest.approx((1 / 3, 1 / 3, 0))
+    assert list(table["label"]) == ["tree"]  # the baseline drafts nothing
+    run_ = next(c.run for c in comparisons if c.run.label == "tree")
+    assert [s[0] for s in run_.frame.loc[1, "steps"]] == [11, 14, 15, 17]  # contexts grow by the accepted tokens
+    assert plots.main([str(folder), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "acceptance.png").is_file()
+
+
+def test_the_shadow_tree_scores_exactly_what_verifying_it_would_accept(llama):
+    """A wide tree scored in the shadow of a small one equals that wide tree's own acceptance when the matrix
+    is the same: run with tree=paper and shadow=paper, every step's shadow verdict is the verified path."""
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]
+    engine = Engine(llama, eos_token_ids=set())
+    drafter = TokenRecycling(VOCAB, tree="paper-b4", shadow="paper-b4")
+    engine.generate(prompt, drafter, 40)
+    gen = engine.generate(prompt, drafter, 40)
+    stats = gen.drafter_stats
+    assert stats["shadow_steps"] == gen.decoding_steps
+    verified: dict[str, int] = {}
+    for path in gen.accept_paths:
+        for d in range(1, len(path) + 1):
+            name = ".".join(map(str, path[:d]))
+            verified[name] = verified.get(name, 0) + 1
+    assert stats["shadow_accepted"] == verified and verified
+
+
+def test_statistics_count_the_shadow_tree_when_the_drafter_scored_one():
+    stats = [{"shadow_steps": 3, "shadow_accepted": {"0": 2, "0.1": 1}}, {"shadow_steps": 1, "shadow_accepted": {}}]
+    records = [{"choices": [{"accept_paths": [[0]] * 4, "block_sizes": [3] * 4, "drafter_stats": stats}]}]
+    nodes, steps_, drafting = count(records)
+    assert (steps_, drafting) == (4, 4) and nodes == {(0,): 2, (0, 1): 1}
