@@ -54,10 +54,10 @@ def tunable(method: DictConfig) -> tuple[type, str]:
 
 
 def method_key(method: DictConfig) -> dict:
-    """The method's settings that acceptance depends on: all but its tree, name and label."""
-    _, param = tunable(method)
+    """The method's settings that acceptance depends on: all but its tree, shadow tree, name and label."""
+    cls, param = tunable(method)
     plain = OmegaConf.to_container(method, resolve=False)
-    return {k: v for k, v in sorted(plain.items()) if k not in (param, "name", "label")}
+    return {k: v for k, v in sorted(plain.items()) if k not in (param, cls.shadow_param, "name", "label")}
 
 
 def question_hashes(questions: Iterable[dict]) -> list[str]:
@@ -121,13 +121,27 @@ class Acceptance:
 
 
 def collect(cfg: DictConfig) -> Path:
-    """Run the method with its candidate tree on ``cfg.data`` and write the statistics file."""
+    """Collect the statistics on ``cfg.data`` and write their file.
+
+    A drafter scored in a shadow runs ``autotree.passes`` times: the first verifies ``method.<tree>``,
+    every later pass the plan made from the statistics before it, so the tree measured is (close to)
+    the tree chosen.
+    """
+    cls, param = tunable(cfg.method)
+    passes = cfg.autotree.passes if cls.shadow_param and cfg.method[param] != "auto" else 1
+    path = _collect(cfg, cls, param, cfg.method[param])
+    for _ in range(passes - 1):
+        path = _collect(cfg, cls, param, "auto")
+    return path
+
+
+def _collect(cfg: DictConfig, cls: type, param: str, verified: object) -> Path:
     from evaluation.run import run  # the harness's own loop, so the statistics come from a real run
 
-    cls, param = tunable(cfg.method)
     run_cfg = cfg.copy()
     with open_dict(run_cfg):
-        if cls.shadow_param:  # verify method.<param> (auto: the current plan) and score the candidate in its shadow
+        if cls.shadow_param:  # verify `verified` (auto: the current plan) and score the candidate in its shadow
+            run_cfg.method[param] = verified
             run_cfg.method[cls.shadow_param] = cls.candidate_tree
             run_cfg.autotree.allow_overlap = True  # the plan verified with is not being evaluated here
         else:
