@@ -119,23 +119,26 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
         prefix = torch.randint(vocab, (1, context), generator=gen).to(engine.device)
         with torch.inference_mode():
             engine.model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{engine.cache_kw: cache})
-        steps, forwards = [], []
-        for q in sizes:
-            draft = None if q == 1 else Draft(torch.randint(vocab, (q - 1,), generator=gen).to(engine.device), shapes[q])
-            totals, inner = [], []
-            for r in range(repeats + 1):  # the first is a warm-up
+        drafts = {q: None if q == 1 else Draft(torch.randint(vocab, (q - 1,), generator=gen).to(engine.device), shapes[q])
+                  for q in sizes}
+        totals: dict[int, list[float]] = {q: [] for q in sizes}
+        inner: dict[int, list[float]] = {q: [] for q in sizes}
+        # Rounds over every size, not repeats of one size in a row: a machine whose speed drifts (a shared
+        # host) then shifts every size alike, and the median of the rounds keeps the curve's shape.
+        for r in range(repeats + 1):  # the first round is a warm-up
+            for q in sizes:
                 engine.forward_time = 0.0
                 engine.sync()
                 start = time.perf_counter()
                 with torch.inference_mode():
-                    engine.verify(int(prefix[0, -1]), context, draft, cache)
+                    engine.verify(int(prefix[0, -1]), context, drafts[q], cache)
                 engine.sync()
                 if r:
-                    totals.append(1000 * (time.perf_counter() - start))
-                    inner.append(1000 * engine.forward_time)
+                    totals[q].append(1000 * (time.perf_counter() - start))
+                    inner[q].append(1000 * engine.forward_time)
                 Engine.truncate(cache, context)
-            steps.append(statistics.median(totals))
-            forwards.append(statistics.median(inner))
+        steps = [statistics.median(totals[q]) for q in sizes]
+        forwards = [statistics.median(inner[q]) for q in sizes]
         if progress:
             print(f"calibrate: context {context}: " + ", ".join(f"q={q} {t:.1f} ms" for q, t in
                                                                  zip(sizes, steps) if q in (1, 8, 32, 128)),
