@@ -12,6 +12,9 @@ DATA ?= spec_bench_mini
 TOKENS ?= 32
 ARGS ?=
 RUN_DIR ?= results
+# pytest-xdist workers for `make test`; --maxschedchunk 1 hands out tests one at a time, so that the slow
+# end-to-end runs (consecutive in collection order) spread over the workers instead of landing on one.
+TEST_WORKERS ?= 2
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -54,7 +57,7 @@ bench-loop: $(STAMP)
 	$(PY) -m evaluation.loop_vs_generate model=$(MODEL) data=$(DATA) max_new_tokens=$(TOKENS) $(ARGS)
 
 test: $(STAMP) data
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 
 clean-venv:
 	rm -rf $(VENV)
