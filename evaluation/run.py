@@ -199,7 +199,10 @@ def _summary(records: list[dict], path: Path) -> None:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    try:
+        run(cfg)
+    except models.ModelUnavailable as err:  # the message says what to do; a traceback would bury it
+        sys.exit(f"draftbench: error: {err}")
 
 
 if __name__ == "__main__":
