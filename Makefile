@@ -3,6 +3,8 @@
 # TOKENS is max_new_tokens per turn; ARGS are extra Hydra overrides for every run.
 # METHODS entries are NAME or NAME:key=value,key=value (method.<key> overrides), run one after another.
 # TORCH is what pip installs for torch first: the CPU wheel by default; TORCH= keeps the torch you have (CUDA users).
+#   make bench EXPERIMENT=readme_cpu   runs every job of conf/experiment/readme_cpu.yaml into $(RUN_DIR)/readme_cpu,
+#                                      then the speedup table and plots (ARGS: extra Hydra overrides, e.g. a launcher).
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -12,6 +14,7 @@ DATA ?= spec_bench_mini
 TOKENS ?= 32
 ARGS ?=
 RUN_DIR ?= results
+EXPERIMENT ?=
 # pytest-xdist workers for `make test`; --maxschedchunk 1 hands out tests one at a time, so that the slow
 # end-to-end runs (consecutive in collection order) spread over the workers instead of landing on one.
 TEST_WORKERS ?= 2
@@ -42,7 +45,12 @@ data/spec_bench/question.jsonl:
 	if [ -f ../shared/spec_bench/question.jsonl ]; then ln -sf "$$(cd ../shared/spec_bench && pwd)/question.jsonl" $@; \
 	else curl -fsSL -o $@.tmp $(SPEC_BENCH_URL) && mv $@.tmp $@; fi
 
-bench: $(STAMP) $(if $(filter spec_bench,$(DATA)),data)
+bench: $(STAMP) $(if $(or $(EXPERIMENT),$(filter spec_bench,$(DATA))),data)
+ifdef EXPERIMENT
+	$(PY) -m evaluation.run -m +experiment=$(EXPERIMENT) run.dir=$(RUN_DIR)/$(EXPERIMENT) $(ARGS)
+	$(PY) -m evaluation.speedup $(RUN_DIR)/$(EXPERIMENT)
+	$(PY) -m evaluation.plots $(RUN_DIR)/$(EXPERIMENT)
+else
 	@set -e; for m in $(METHODS); do \
 		name=$${m%%:*}; opts=""; \
 		case "$$m" in *:*) opts=$$(echo "$${m#*:}" | tr ',' '\n' | sed 's/^/method./' | tr '\n' ' ');; esac; \
@@ -51,6 +59,7 @@ bench: $(STAMP) $(if $(filter spec_bench,$(DATA)),data)
 	done
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(MODEL)/$(DATA)
 	$(PY) -m evaluation.plots $(RUN_DIR)/$(MODEL)/$(DATA)
+endif
 
 # Our baseline loop against transformers' model.generate on the same prompts, in one run (a benchmark, not a test).
 bench-loop: $(STAMP)

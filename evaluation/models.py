@@ -17,14 +17,17 @@ import importlib
 import importlib.util
 import json
 import os
+import platform
 import re
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -51,10 +54,47 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTBENCH_CACHE") or user_cache_dir("draftbench"))
 
 
+# The GPU this process took with device=cuda:free, and the lock that keeps it, until the process exits.
+_HELD_GPU: list[tuple[torch.device, FileLock]] = []
+
+
+def free_gpu() -> torch.device:
+    """A GPU that no other draftbench job on this machine holds, kept by this process until it exits.
+
+    For parallel jobs on one multi-GPU machine (hydra/launcher=joblib_gpus): each worker process takes
+    a GPU on its first job and reuses it for the next, so two timed jobs never share a GPU. With more
+    jobs than GPUs, a job waits for one.
+    """
+    if _HELD_GPU:
+        return _HELD_GPU[0][0]
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeError("device=cuda:free was asked for, but torch sees no CUDA device here; use device=cpu")
+    locks = cache_dir() / "gpus" / platform.node()  # GPU numbers are per machine; the cache may be shared
+    locks.mkdir(parents=True, exist_ok=True)
+    waiting = False
+    while True:
+        for index in range(count):
+            lock = FileLock(locks / f"cuda-{index}.lock", timeout=0)
+            try:
+                lock.acquire()
+            except Timeout:
+                continue
+            _HELD_GPU.append((torch.device("cuda", index), lock))
+            return _HELD_GPU[0][0]
+        if not waiting:
+            print(f"draftbench: all {count} GPUs are held by other jobs (locks in {locks}); waiting", file=sys.stderr)
+            waiting = True
+        time.sleep(1)
+
+
 def resolve_device(device: str) -> torch.device:
-    """``auto`` is cuda when available, else cpu; an explicit cuda on a machine without one is an error."""
+    """``auto`` is cuda when available, else cpu; ``cuda:free`` is a GPU no other job holds (see
+    free_gpu); an explicit cuda on a machine without one is an error."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda:free":
+        return free_gpu()
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={device} was asked for, but torch sees no CUDA device here; use device=cpu")
