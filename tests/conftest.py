@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -12,6 +13,10 @@ VOCAB = 64
 # One thread: these machines are shared, and torch's OpenMP threads slow down by orders of magnitude when
 # another process competes for the cores; the tests assert behaviour, never speed.
 torch.set_num_threads(1)
+
+# Nor does hypothesis time examples: two test workers on two shared cores make any deadline flaky.
+settings.register_profile("draftbench", deadline=None)
+settings.load_profile("draftbench")
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:

@@ -94,4 +94,4 @@ def test_compare_notebook_runs_on_these_results(shared_dir, monkeypatch):
         shared_run(shared_dir, *overrides)
     notebook = nbformat.read(Path(__file__).parent.parent / "notebooks" / "compare.ipynb", as_version=4)
     monkeypatch.setenv("DRAFTBENCH_RESULTS", str(shared_dir / "results"))
-    NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
+    NotebookClient(notebook, timeout=None, kernel_name="python3").execute()

@@ -83,7 +83,7 @@ def test_a_sweep_runs_through_the_submitit_local_launcher(tmp_path, capsys):
         [sys.executable, "-m", "evaluation.run", "-m", "hydra/launcher=submitit_local", "method=baseline,pld",
          "model=hf", f"model.path={checkpoint}", "model.template=plain", f"data.path={data}", "max_new_tokens=4",
          "dtype=float32", "device=cpu", "threads=1", "warmup=0", f"run.dir={out}", "run.progress=false"],
-        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+        cwd=PROJECT_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     folder = out / "hf" / "spec_bench_mini"
     for label in ("baseline", "pld-n1-3-k10"):
