@@ -3,6 +3,8 @@
 # TOKENS is max_new_tokens per turn; ARGS are extra Hydra overrides for every run.
 # METHODS entries are NAME or NAME:key=value,key=value (method.<key> overrides), run one after another.
 # TORCH is what pip installs for torch first: the CPU wheel by default; TORCH= keeps the torch you have (CUDA users).
+#   make bench EXPERIMENT=readme_cpu   runs every job of conf/experiment/readme_cpu.yaml into $(RUN_DIR)/readme_cpu,
+#                                      then the speedup table and plots (ARGS: extra Hydra overrides, e.g. a launcher).
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -14,6 +16,10 @@ ARGS ?=
 RUN_DIR ?= results
 # Questions for the acceptance statistics of tree=auto methods: never the evaluated ones.
 CALIB_DATA ?= $(if $(filter spec_bench_mini,$(DATA)),spec_bench data.per_category=2,spec_bench_mini)
+EXPERIMENT ?=
+# pytest-xdist workers for `make test`; --maxschedchunk 1 hands out tests one at a time, so that the slow
+# end-to-end runs (consecutive in collection order) spread over the workers instead of landing on one.
+TEST_WORKERS ?= 2
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -53,7 +59,12 @@ calibrate: $(STAMP) $(if $(findstring spec_bench ,$(CALIB_DATA) ),data)
 		$(PY) -m evaluation.acceptance model=$(MODEL) method=$$m max_new_tokens=$(TOKENS) $(ARGS) data=$(CALIB_DATA); \
 	done
 
-bench: $(STAMP) $(if $(filter spec_bench,$(DATA)),data) $(if $(AUTO_METHODS),calibrate)
+bench: $(STAMP) $(if $(or $(EXPERIMENT),$(filter spec_bench,$(DATA))),data) $(if $(and $(AUTO_METHODS),$(if $(EXPERIMENT),,1)),calibrate)
+ifdef EXPERIMENT
+	$(PY) -m evaluation.run -m +experiment=$(EXPERIMENT) run.dir=$(RUN_DIR)/$(EXPERIMENT) $(ARGS)
+	$(PY) -m evaluation.speedup $(RUN_DIR)/$(EXPERIMENT)
+	$(PY) -m evaluation.plots $(RUN_DIR)/$(EXPERIMENT)
+else
 	@set -e; for m in $(METHODS); do \
 		name=$${m%%:*}; opts=""; \
 		case "$$m" in *:*) opts=$$(echo "$${m#*:}" | tr ',' '\n' | sed 's/^/method./' | tr '\n' ' ');; esac; \
@@ -62,13 +73,14 @@ bench: $(STAMP) $(if $(filter spec_bench,$(DATA)),data) $(if $(AUTO_METHODS),cal
 	done
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(MODEL)/$(DATA)
 	$(PY) -m evaluation.plots $(RUN_DIR)/$(MODEL)/$(DATA)
+endif
 
 # Our baseline loop against transformers' model.generate on the same prompts, in one run (a benchmark, not a test).
 bench-loop: $(STAMP)
 	$(PY) -m evaluation.loop_vs_generate model=$(MODEL) data=$(DATA) max_new_tokens=$(TOKENS) $(ARGS)
 
 test: $(STAMP) data
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 
 clean-venv:
 	rm -rf $(VENV)

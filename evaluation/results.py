@@ -3,7 +3,9 @@
 Records are a superset of Spec-Bench's answer schema, so Spec-Bench's tools read them; the header
 (a sidecar, so the jsonl stays Spec-Bench-readable) carries the provenance. Records are appended
 one per question, flushed and fsynced: a killed run loses at most the question in flight, and the
-next start drops a partial last line and resumes after the last complete record.
+next start drops a partial last line and resumes after the last complete record. A result file has
+one writer at a time (a lock beside it), so two jobs of a sweep that name the same file cannot
+interleave their records.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 SCHEMA = 1
 
 # Header keys that may differ between the start of a run and its resumption.
@@ -22,6 +26,10 @@ RESUME_FREE = ("started", "resumed", "run_config")
 
 class ResumeRefused(RuntimeError):
     """An existing result file was written under a different configuration or provenance."""
+
+
+class ResultLocked(RuntimeError):
+    """Another job is writing the same result file."""
 
 
 def meta_path(path: Path) -> Path:
@@ -67,6 +75,22 @@ class ResultFile:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.records: list[dict] = []
         self.notes: list[str] = []
+        self._lock = FileLock(path.with_name(path.name + ".lock"), timeout=0)
+        try:
+            self._lock.acquire()
+        except Timeout as err:
+            raise ResultLocked(
+                f"{path} is being written by another job (it holds {self._lock.lock_file}); jobs that run at the "
+                "same time need distinct result files: give them different run.id values or run.dir, or wait"
+            ) from err
+        try:
+            self._open(header, resume)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open(self, header: dict, resume: bool) -> None:
+        path = self.path
         if resume and path.exists() and self.meta.exists():
             self._resume(header)
         else:
@@ -117,6 +141,7 @@ class ResultFile:
 
     def close(self) -> None:
         self._file.close()
+        self._lock.release()
 
     def __enter__(self) -> "ResultFile":
         return self

@@ -146,29 +146,28 @@ def run(cfg: DictConfig) -> Path:
     }
     out_dir = resolve_path(cfg.run.dir) if not Path(cfg.run.dir).is_absolute() else Path(cfg.run.dir)
     path = out_dir / cfg.model.name / cfg.data.name / f"{cfg.method.label}-{dtype_name}-{device.type}-run{cfg.run.id}.jsonl"
-    results = ResultFile(path, header, resume=cfg.run.resume)
-    for note in results.notes:
-        print(f"draftbench: {note}", file=sys.stderr)
-    state_path = path.with_name(path.name.removesuffix(".jsonl") + ".state.pt")
-    todo = [q for q in questions if q["question_id"] not in results.done]
+    with ResultFile(path, header, resume=cfg.run.resume) as results:  # holds the file's lock until done
+        for note in results.notes:
+            print(f"draftbench: {note}", file=sys.stderr)
+        state_path = path.with_name(path.name.removesuffix(".jsonl") + ".state.pt")
+        todo = [q for q in questions if q["question_id"] not in results.done]
 
-    print(f"draftbench: {cfg.method.label} on {cfg.model.name} ({dtype_name}, {device}, {torch.get_num_threads()} threads), "
-          f"{len(todo)}/{len(questions)} questions of {cfg.data.name} -> {path}", file=sys.stderr)
-    if drafter.describe():
-        print(f"draftbench: drafter {json.dumps(drafter.describe())}", file=sys.stderr)
-    for _ in range(cfg.warmup if todo else 0):
-        first = [{"role": "user", "content": questions[0]["turns"][0]}]
-        engine.generate(models.prompt_ids(loaded.tokenizer, cfg.model.template, first), drafter, cfg.max_new_tokens)
-    if results.records and drafter.state_dict():
-        if state_path.exists():
-            drafter.load_state_dict(torch.load(state_path, map_location=device))
-        else:
-            print(f"draftbench: warning: {state_path.name} is missing, so {cfg.method.label}'s hot-start state restarts "
-                  "here; the questions after the gap are not comparable with an uninterrupted run", file=sys.stderr)
+        print(f"draftbench: {cfg.method.label} on {cfg.model.name} ({dtype_name}, {device}, {torch.get_num_threads()} threads), "
+              f"{len(todo)}/{len(questions)} questions of {cfg.data.name} -> {path}", file=sys.stderr)
+        if drafter.describe():
+            print(f"draftbench: drafter {json.dumps(drafter.describe())}", file=sys.stderr)
+        for _ in range(cfg.warmup if todo else 0):
+            first = [{"role": "user", "content": questions[0]["turns"][0]}]
+            engine.generate(models.prompt_ids(loaded.tokenizer, cfg.model.template, first), drafter, cfg.max_new_tokens)
+        if results.records and drafter.state_dict():
+            if state_path.exists():
+                drafter.load_state_dict(torch.load(state_path, map_location=device))
+            else:
+                print(f"draftbench: warning: {state_path.name} is missing, so {cfg.method.label}'s hot-start state restarts "
+                      "here; the questions after the gap are not comparable with an uninterrupted run", file=sys.stderr)
 
-    tokens = seconds = 0.0
-    bar = tqdm(todo, desc=cfg.method.label, unit="q", disable=not cfg.run.progress, file=sys.stderr)
-    with results:
+        tokens = seconds = 0.0
+        bar = tqdm(todo, desc=cfg.method.label, unit="q", disable=not cfg.run.progress, file=sys.stderr)
         for question in bar:
             record = {"question_id": question["question_id"], "category": question["category"],
                       "answer_id": uuid.uuid4().hex, "model_id": cfg.model.name}
@@ -207,7 +206,7 @@ def _summary(records: list[dict], path: Path) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except autotree.AutoTreeError as err:
+    except (models.ModelUnavailable, autotree.AutoTreeError) as err:  # the message says what to do
         sys.exit(f"draftbench: error: {err}")
 
 

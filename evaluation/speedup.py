@@ -31,6 +31,9 @@ COLUMNS = (
 )
 DESCRIPTION = ("Speedup, MAT and tokens/s per Spec-Bench category group and method: prints an aligned table and "
                "writes it as speedup.md, speedup.csv and speedup.tex (in the results folder, or --out DIR).")
+# A speedup whose std over repeated runs exceeds its distance from 1.0 cannot be told from no speedup.
+NOISY = "†"
+NOISY_COLUMNS = ("speedup", "decode_speedup")
 RATIO_TEXT = {
     "mean": "speedup = mean per-question tokens/s over the baseline's (Spec-Bench)",
     "total": "speedup = total tokens / total time, over the baseline's",
@@ -41,8 +44,16 @@ def _number(value: float, decimals: int) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.{decimals}f}"
 
 
+def noisy(row: pd.Series, column: str) -> bool:
+    """Whether a method's speedup spreads over its runs by more than its distance from 1.0."""
+    std = row.get(f"{column}_std")
+    return (column in NOISY_COLUMNS and not row["reference"] and row["n_runs"] > 1 and std is not None
+            and not math.isnan(std) and std > abs(row[column] - 1.0))
+
+
 def display_rows(table: pd.DataFrame) -> list[list[str]]:
-    """The table's cells as text, ``mean ± std`` where several runs exist; "*" marks unchecked provenance."""
+    """The table's cells as text, ``mean ± std`` where several runs exist; "*" marks unchecked provenance,
+    NOISY a speedup within its spread of 1.0."""
     rows = []
     for _, row in table.iterrows():
         cells = []
@@ -53,7 +64,7 @@ def display_rows(table: pd.DataFrame) -> list[list[str]]:
                 cell = _number(row[column], decimals)
                 std = row.get(f"{column}_std")
                 if std is not None and not math.isnan(std) and row["n_runs"] > 1:
-                    cell += f" ± {_number(std, decimals)}"
+                    cell += f" ± {_number(std, decimals)}" + (NOISY if noisy(row, column) else "")
             cells.append(cell)
         rows.append(cells)
     return rows
@@ -80,7 +91,8 @@ _LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"
 def render_latex(headers: Sequence[str], rows: list[list[str]]) -> str:
     """A booktabs tabular."""
     def line(cells: Sequence[str]) -> str:
-        escaped = (re.sub(r"[\\&%$#_{}~^]", lambda m: _LATEX[m.group()], c).replace("±", r"$\pm$") for c in cells)
+        escaped = (re.sub(r"[\\&%$#_{}~^]", lambda m: _LATEX[m.group()], c).replace("±", r"$\pm$")
+                   .replace(NOISY, r"$^\dagger$") for c in cells)
         return " & ".join(escaped) + r" \\"
 
     spec = "".join("l" if decimals is None else "r" for _, _, decimals in COLUMNS)
@@ -89,7 +101,9 @@ def render_latex(headers: Sequence[str], rows: list[list[str]]) -> str:
 
 
 def _sections(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    return [(setup_name(setup), part) for setup, part in table.groupby(list(SETUP_KEYS), sort=False)]
+    """One section per setup and platform (the hardware its rows were measured on)."""
+    return [(f"{setup_name(key[:-1])} on {key[-1]}", part)
+            for key, part in table.groupby([*SETUP_KEYS, "platform"], sort=False)]
 
 
 def _notes(part: pd.DataFrame) -> list[str]:
@@ -98,6 +112,9 @@ def _notes(part: pd.DataFrame) -> list[str]:
              "runs); Err: failed questions (all runs); mean ± std over runs"]
     unchecked = part.loc[part["provenance"] != CHECKED, ["label", "provenance"]].drop_duplicates()
     notes += [f"* {label}: provenance {provenance}" for label, provenance in unchecked.itertuples(index=False)]
+    if any(noisy(row, column) for _, row in part.iterrows() for column in NOISY_COLUMNS):
+        notes.append(f"{NOISY} the std over runs is larger than the distance from 1.0: this speedup cannot be told "
+                     "from no speedup; run more repeats (run.id=0,1,2,...)")
     return notes
 
 

@@ -233,3 +233,69 @@ def test_plots_cli_writes_png_and_svg(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted(f"{n}.{ext}" for n in ("speedup_by_group", "mat_vs_speedup", "accept_lengths")
                            for ext in ("png", "svg"))
+
+
+def test_refuses_a_baseline_from_other_hardware_or_software(tmp_path):
+    folder = copy_results(tmp_path, "baseline-float32-cpu-run0", "recycling-paper-float32-cpu-run0")
+    for meta, name in (("baseline", "NVIDIA A100-SXM4-80GB"), ("recycling-paper", "NVIDIA GeForce RTX 3090")):
+        edit_meta(folder / f"{meta}-float32-cpu-run0.meta.json", device="cuda", device_name=name)
+    edit_meta(folder / "recycling-paper-float32-cpu-run0.meta.json", torch_threads=8,
+              versions={"torch": "2.9.1", "transformers": "5.24.0"})
+    with pytest.raises(ProvenanceError) as err:
+        analysis.pair_runs(analysis.load_runs([folder]))
+    message = str(err.value)
+    assert "device_name (NVIDIA GeForce RTX 3090 vs NVIDIA A100-SXM4-80GB)" in message
+    assert "torch_threads (8 vs 1)" in message and "versions.torch (2.9.1 vs 2.13.0)" in message
+    assert "transformers" not in message  # the same version on both sides
+
+
+def test_an_older_header_without_hardware_is_paired_and_marked_unknown(tmp_path, capsys):
+    folder = copy_results(tmp_path, "baseline-float32-cpu-run0", "recycling-paper-float32-cpu-run0")
+    old = folder / "baseline-float32-cpu-run0.meta.json"
+    meta = json.loads(old.read_text())
+    del meta["device_name"], meta["torch_threads"], meta["versions"]
+    old.write_text(json.dumps(meta))
+    comparisons, _ = analysis.pair_runs(analysis.load_runs([folder]))
+    recycling = next(c for c in comparisons if c.run.label == "recycling-paper")
+    assert recycling.provenance == ("checked except device_name, torch_threads, versions.torch, versions.transformers "
+                                    "(unknown: not in an older .meta.json)")
+    assert speedup.main([str(folder), "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "recycling-paper*" in text and "* recycling-paper: provenance checked except device_name" in text
+    assert "on ?, threads ?, torch ?, transformers ?" in text  # the baseline's own section: its hardware is unknown
+
+
+def test_the_table_names_the_hardware_of_each_section(tmp_path, capsys):
+    folder = copy_results(tmp_path, "baseline-float32-cpu-run0", "recycling-paper-float32-cpu-run0")
+    for stem in ("baseline-float32-cpu-run0", "recycling-paper-float32-cpu-run0"):  # the same runs on another CPU
+        for suffix in (".jsonl", ".meta.json"):
+            shutil.copy(folder / f"{stem}{suffix}", folder / f"{stem.replace('run0', 'run1')}{suffix}")
+        edit_meta(folder / f"{stem.replace('run0', 'run1')}.meta.json", run=1, device_name="AMD EPYC 7B13")
+    comparisons, _ = analysis.pair_runs(analysis.load_runs([folder]))
+    assert {(c.run.platform, c.reference.platform) for c in comparisons} == {
+        ("cpu, threads 1, torch 2.13.0, transformers 5.24.0",) * 2,
+        ("AMD EPYC 7B13, threads 1, torch 2.13.0, transformers 5.24.0",) * 2}
+    table = analysis.summarize(comparisons)
+    assert list(table.loc[(table["label"] == "recycling-paper") & (table["group"] == "Overall"), "n_runs"]) == [1, 1]
+    assert speedup.main([str(folder), "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "tiny / mini / float32 / cpu on cpu, threads 1, torch 2.13.0, transformers 5.24.0" in text
+    assert "tiny / mini / float32 / cpu on AMD EPYC 7B13, threads 1, torch 2.13.0, transformers 5.24.0" in text
+
+
+def test_a_speedup_within_its_spread_of_one_is_flagged(tmp_path, capsys):
+    folder = copy_results(tmp_path, "baseline-float32-cpu-run0", "recycling-paper-float32-cpu-run0",
+                          "recycling-paper-float32-cpu-run1")
+    slow = folder / "recycling-paper-float32-cpu-run1.jsonl"
+    records = [json.loads(line) for line in slow.read_text().splitlines()]
+    for rec in records:
+        rec["choices"][0]["wall_time"] = [4 * t for t in rec["choices"][0]["wall_time"]]
+    slow.write_text("".join(json.dumps(rec) + "\n" for rec in records))
+    assert speedup.main([str(folder), "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    overall = next(line for line in text.splitlines() if line.startswith("recycling-paper") and "Overall" in line)
+    assert "1.28 ± 1.01†" in overall  # runs at 2.0 and 2.28 / 4 = 0.57: the spread covers 1.0
+    assert "† the std over runs is larger than the distance from 1.0" in text
+    assert r"1.28 $\pm$ 1.01$^\dagger$" in (tmp_path / "speedup.tex").read_text()
+    assert speedup.main([str(RESULTS), "--out", str(tmp_path)]) == 0
+    assert "†" not in capsys.readouterr().out  # 2.14 ± 0.20 is clear of 1.0

@@ -7,12 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, tiny_gemma3, tiny_llama
+from conftest import VOCAB, tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen3
 from methods.drafter import Drafter, Step
 from methods.engine import Engine, PromptTooLong
 from methods.tree import Draft, TreeShape
 
-MODELS = {"llama": tiny_llama(), "gemma3": tiny_gemma3(sliding_window=8)}  # contexts below cross the window
+MODELS = {"llama": tiny_llama(), "gemma3": tiny_gemma3(sliding_window=8),  # contexts below cross the window
+          "qwen2": tiny_qwen2(), "qwen3": tiny_qwen3()}
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
