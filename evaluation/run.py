@@ -30,7 +30,7 @@ from tqdm import tqdm
 from evaluation import data as datasets
 from evaluation import models
 from evaluation.data import PROJECT_ROOT, resolve_path
-from evaluation.results import ResultFile
+from evaluation.results import ResultFile, ResultLocked
 from methods.drafter import Drafter
 from methods.engine import Engine
 
@@ -201,7 +201,7 @@ def _summary(records: list[dict], path: Path) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except models.ModelUnavailable as err:  # the message says what to do; a traceback would bury it
+    except (models.ModelUnavailable, ResultLocked) as err:  # the message says what to do; a traceback would bury it
         sys.exit(f"draftbench: error: {err}")
 
 
