@@ -30,7 +30,7 @@ from tqdm import tqdm
 from evaluation import autotree, models
 from evaluation import data as datasets
 from evaluation.data import PROJECT_ROOT, resolve_path
-from evaluation.results import ResultFile
+from evaluation.results import ResultFile, ResultLocked
 from methods.drafter import Drafter
 from methods.engine import Engine
 
@@ -206,7 +206,7 @@ def _summary(records: list[dict], path: Path) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except (models.ModelUnavailable, autotree.AutoTreeError) as err:  # the message says what to do
+    except (models.ModelUnavailable, ResultLocked, autotree.AutoTreeError) as err:  # the message says what to do
         sys.exit(f"draftbench: error: {err}")
 
 
