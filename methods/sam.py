@@ -9,11 +9,11 @@ auxiliary tree together, merged into one trie.
 
 Which earlier occurrence is copied: the match keeps following the occurrence it was copying while the
 context keeps repeating it (a copy in progress stays on its source). When it has to re-anchor (a shorter
-suffix after a mismatch), it takes the end position recorded on the automaton state: the most recent end
-for the class of the text's longest repeated suffix, the one that a re-anchored match most often lands
-in, and for the other classes the most recent end when they were created or split (the published code
-keeps the earliest end of every class). The exact most recent end of every class would cost a walk up
-the suffix links per token, O(context) on a repetitive text; this costs O(1).
+suffix after a mismatch), it takes the end position recorded on the automaton state: the last position at
+which the class was created, split, or held the text's longest repeated suffix (the class a re-anchored
+match most often lands in), so usually its most recent end (the published code keeps the earliest end of
+every class). The exact most recent end of every class would cost a walk up the suffix links per token,
+O(context) on a repetitive text; this costs O(1).
 """
 
 from __future__ import annotations
