@@ -144,6 +144,17 @@ def chain(n: int) -> TreeShape:
     return TreeShape(parents=tuple(range(n)))
 
 
+@lru_cache(maxsize=1024)
+def interned(parents: tuple[int, ...]) -> TreeShape:
+    """The one shared shape of a draft tree with these ``parents`` (a bounded LRU of recent shapes).
+
+    For drafters whose tree changes from step to step (e.g. a retrieved chain merged into another
+    tree): a recurring tree reuses its shape and the device buffers cached on it, instead of
+    rebuilding them every step.
+    """
+    return TreeShape(parents=parents)
+
+
 def from_rank_paths(paths: Sequence[Sequence[int]]) -> tuple[TreeShape, torch.Tensor]:
     """A static tree template (a list of rank paths from the root) as a shape plus each node's rank.
 
