@@ -206,7 +206,7 @@ def _summary(records: list[dict], path: Path) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except (models.ModelUnavailable, ResultLocked, autotree.AutoTreeError) as err:  # the message says what to do
+    except (models.ModelUnavailable, ResultLocked, autotree.AutoTreeError, FileNotFoundError) as err:  # says what to do
         sys.exit(f"draftbench: error: {err}")
 
 

@@ -161,11 +161,12 @@ def simple_table(frame: pd.DataFrame, columns: Sequence[tuple], title: str, styl
     headers = [h for h, _, _ in columns]
     left = [d is None for _, _, d in columns]
     out = []
-    for setup, part in frame.groupby(list(SETUP_KEYS), sort=False):
+    for (*setup, platform), part in frame.groupby([*SETUP_KEYS, "platform"], sort=False):
         rows = [[str(row[c]) if d is None else _number(100 * row[c], 1) if d == PERCENT else _number(row[c], d)
                  for _, c, d in columns] for _, row in part.iterrows()]
         body = render_text(headers, rows, markdown=style == "md", left=left)
-        head = f"### {title} ({setup_name(setup)})" if style == "md" else f"{title} ({setup_name(setup)})"
+        where = f"{setup_name(setup)} on {platform}"
+        head = f"### {title} ({where})" if style == "md" else f"{title} ({where})"
         out.append(f"{head}\n\n{body}\n\n- " if style == "md" else f"{head}\n{body}\n")
     return "\n".join(out)
 

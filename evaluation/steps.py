@@ -33,17 +33,17 @@ def _steps(comparison: Comparison) -> list[tuple[int, int, list[int]]]:
 
 
 def acceptance(comparisons: Sequence[Comparison]) -> pd.DataFrame:
-    """One row per setup and method label (pooled over its runs): drafting steps, depth and rank shares."""
+    """One row per setup, platform and method label (pooled over its runs): drafting steps, depth and rank shares."""
     pooled: dict[tuple, list] = {}
     for c in comparisons:
         if not c.is_reference:
-            pooled.setdefault((*c.setup, c.run.label), []).extend(_steps(c))
+            pooled.setdefault((*c.setup, c.platform, c.run.label), []).extend(_steps(c))
     rows = []
     for key, steps in pooled.items():
         drafting = [path for _, size, path in steps if size > 1]
         if not drafting:
             continue
-        row = {**dict(zip(SETUP_KEYS, key[:-1])), "label": key[-1], "steps": len(steps),
+        row = {**dict(zip(SETUP_KEYS, key[:-2])), "platform": key[-2], "label": key[-1], "steps": len(steps),
                "draft_rate": len(drafting) / len(steps)}
         row |= {f"d{d}": sum(len(p) >= d for p in drafting) / len(drafting) for d in range(1, MAX_DEPTH + 1)}
         row |= {f"r{r}": sum(bool(p) and p[0] == r for p in drafting) / len(drafting) for r in range(MAX_RANK)}
@@ -88,7 +88,7 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
         if not steps:
             continue
         decode_tokens, decode_time = frame["decode_tokens"].sum(), frame["decode_time"].sum()
-        row = {**dict(zip(SETUP_KEYS, c.setup)), "label": c.run.label, "run": c.run.index,
+        row = {**dict(zip(SETUP_KEYS, c.setup)), "platform": c.platform, "label": c.run.label, "run": c.run.index,
                "group": OVERALL, "reference": c.is_reference,
                "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else math.nan,
                "mat": frame["accept_sum"].sum() / frame["accept_steps"].sum(),
@@ -106,7 +106,7 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
     table = pd.DataFrame(rows)
     if table.empty:
         return table
-    keys = [*SETUP_KEYS, "label", "group", "reference"]
+    keys = [*SETUP_KEYS, "platform", "label", "group", "reference"]
     return table.groupby(keys, sort=False).agg(n_runs=("run", "nunique"), **{
         col: (col, "mean") for col in ("decode_tokens_per_s", "calibrated_decode_tokens_per_s", "mat",
                                        "predicted_mat", "predicted_decode_tokens_per_s", "outside_forward")

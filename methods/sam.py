@@ -169,7 +169,8 @@ class SamDecoding(Drafter):
     """The SAM-Decoding drafter: a retrieved chain when the match is long enough, else the auxiliary's draft.
 
     ``sources`` counts the steps by what was verified: ``retrieval`` (the chain alone), ``aux`` (the
-    auxiliary's draft alone), ``merged`` (both, ``mode="merge"``), ``none`` (no draft at all).
+    auxiliary's draft alone), ``merged`` (both, ``mode="merge"``), ``none`` (no draft at all); every
+    turn's counts go into its result record (``drafter_stats``).
     """
 
     def __init__(
@@ -209,7 +210,13 @@ class SamDecoding(Drafter):
         self.context = Context()
         self.corpus_match = Match()
         self.sources: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()
         self._children: tuple[TreeShape | None, list[list[int]]] = (None, [])
+
+    def finish(self) -> dict:
+        turn = self.sources - self._reported
+        self._reported = self.sources.copy()
+        return {"sources": dict(turn)}
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
         self.context = Context()

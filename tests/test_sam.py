@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hydra.errors import InstantiationException
 
 from conftest import VOCAB
 from evaluation.run import build_drafter
@@ -146,11 +145,11 @@ def test_merge_inserts_the_chain_into_the_aux_tree_as_a_trie():
     aux = drafter.aux.propose(ids)
     assert aux.tokens.tolist() == [4, 7, 5, 8, 9, 11]
     assert draft.tokens.tolist() == [4, 7, 5, 8, 9, 11, 6, 2]
-    assert draft.shape.parents == aux.trees[0][0].parents + (3, 7)  # under [4 5] (block index 3), then a chain
+    assert draft.shape.parents == aux.shape.parents + (3, 7)  # under [4 5] (block index 3), then a chain
     assert draft.shape is interned(draft.shape.parents)  # one shape per tree: its device buffers are reused
     assert drafter.sources == {"merged": 1}
     m[5] = torch.tensor([6, 12])  # the aux tree now contains [4 5 6]: the chain adds only [2]
-    assert drafter.propose(ids).shape.parents == aux.trees[0][0].parents + (6,)
+    assert drafter.propose(ids).shape.parents == aux.shape.parents + (6,)
 
 
 def test_interned_shapes_are_shared_and_the_cache_is_bounded():
@@ -216,6 +215,7 @@ def test_retrieval_is_accepted_and_the_aux_observes_every_step(llama, mode):
     assert len(steps) == gen.decoding_steps
     source = "retrieval" if mode == "switch" else "merged"
     assert drafter.sources[source] > 0 and sum(drafter.sources.values()) == gen.decoding_steps
+    assert gen.drafter_stats["sources"] == {k: v for k, v in drafter.sources.items() if v}  # recorded per turn
     assert any(s.shape.is_chain and s.shape.n_nodes > 1 for s in steps) == (mode == "switch")
     assert sum(gen.accept_lengths) / gen.decoding_steps > 1.5
 
@@ -272,7 +272,7 @@ def test_a_bad_corpus_is_refused_at_construction(tmp_path, content, message):
 
 
 def test_a_missing_corpus_fails_when_the_run_builds_its_drafter(tmp_path):
-    with pytest.raises(InstantiationException, match="method.corpus=.*no such file"):
+    with pytest.raises(FileNotFoundError, match="method.corpus=.*no such file"):
         build_drafter(config("method=sam", f"method.corpus={tmp_path / 'nope.jsonl'}").method, VOCAB, "cpu")
 
 
