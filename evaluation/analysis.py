@@ -52,8 +52,8 @@ NOT_CHECKED = "not checked (no .meta.json)"
 
 # Per question, summed over turns; NaN where the record is an error or a Spec-Bench file lacks the field.
 COLUMNS = ("category", "group", "error", "n_turns", "tokens", "wall_time", "decode_tokens", "decode_time",
-           "prefill_time", "forward_time", "accept_sum", "accept_steps", "accept_lengths", "steps", "output_ids",
-           "turns")
+           "prefill_time", "forward_time", "accept_sum", "accept_steps", "accept_lengths", "steps", "sources",
+           "output_ids", "turns")
 
 # Spec-Bench's question.jsonl: 81-160 MT-bench (ten per category, in MT_BENCH order), then 80 per task.
 _SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -199,9 +199,19 @@ def _question_row(rec: dict, categories: dict[int, str]) -> dict:
         "accept_steps": len(accepts) if accepts else nan,
         "accept_lengths": list(accepts or []),
         "steps": step_records(choice),
+        "sources": draft_sources(choice),
         "output_ids": ids,
         "turns": list(choice.get("turns", [])),
     }
+
+
+def draft_sources(choice: dict) -> dict[str, int]:
+    """Decode steps by what was verified (``drafter_stats[].sources``, e.g. SAM's retrieval/aux), summed over turns."""
+    total: dict[str, int] = {}
+    for stats in choice.get("drafter_stats", []):
+        for source, n in stats.get("sources", {}).items():
+            total[source] = total.get(source, 0) + n
+    return total
 
 
 def step_records(choice: dict) -> list[tuple[int, int, list[int]]]:

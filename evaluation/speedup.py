@@ -171,28 +171,44 @@ def simple_table(frame: pd.DataFrame, columns: Sequence[tuple], title: str, styl
     return "\n".join(out)
 
 
-def format_steps(accepted: pd.DataFrame, cost: pd.DataFrame, style: str = "text") -> str:
-    """The acceptance and cost-model tables (empty for result files without per-step records)."""
+SOURCES_TEXT = ("draft sources: the share of decode steps by what the drafter verified (SAM: retrieval = the "
+                "retrieved chain alone, aux = the auxiliary drafter's draft alone, merged = both in one tree, none "
+                "= no draft); pooled over runs")
+
+
+def source_columns(frame: pd.DataFrame) -> tuple:
+    """The draft-sources table's columns: one per source that some drafter reported."""
+    fixed = ("platform", "label", "group", "steps", *SETUP_KEYS)
+    return (("Method", "label", None), ("Group", "group", None), ("Steps", "steps", 0),
+            *((source, source, PERCENT) for source in frame.columns if source not in fixed))
+
+
+def format_steps(accepted: pd.DataFrame, cost: pd.DataFrame, style: str = "text",
+                 drafted: pd.DataFrame | None = None) -> str:
+    """The acceptance, cost-model and draft-sources tables (empty for result files without per-step records)."""
+    drafted = pd.DataFrame() if drafted is None else drafted
     parts = []
     for frame, columns, title, text in ((accepted, ACCEPTANCE_COLUMNS, "Acceptance by depth and rank", ACCEPTANCE_TEXT),
-                                        (cost, COST_COLUMNS, "Cost model", COST_TEXT)):
+                                        (cost, COST_COLUMNS, "Cost model", COST_TEXT),
+                                        (drafted, source_columns(drafted), "Draft sources", SOURCES_TEXT)):
         if not frame.empty:
             parts.append(simple_table(frame, columns, title, style) + text)
     return "\n\n".join(parts) + ("\n" if parts else "")
 
 
 def write_outputs(table: pd.DataFrame, out_dir: Path, accepted: pd.DataFrame | None = None,
-                  cost: pd.DataFrame | None = None) -> list[Path]:
-    """speedup.md, speedup.csv and speedup.tex under ``out_dir`` (+ acceptance.csv, cost_model.csv)."""
+                  cost: pd.DataFrame | None = None, drafted: pd.DataFrame | None = None) -> list[Path]:
+    """speedup.md, speedup.csv and speedup.tex under ``out_dir`` (+ acceptance.csv, cost_model.csv, sources.csv)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     accepted = pd.DataFrame() if accepted is None else accepted
     cost = pd.DataFrame() if cost is None else cost
+    drafted = pd.DataFrame() if drafted is None else drafted
     paths = [out_dir / f"speedup.{ext}" for ext in ("md", "csv", "tex")]
-    extra = format_steps(accepted, cost, "md")
+    extra = format_steps(accepted, cost, "md", drafted)
     paths[0].write_text(format_table(table, "md") + ("\n" + extra if extra else ""), encoding="utf-8")
     table.to_csv(paths[1], index=False)
     paths[2].write_text(format_table(table, "tex"), encoding="utf-8")
-    for name, frame in (("acceptance", accepted), ("cost_model", cost)):
+    for name, frame in (("acceptance", accepted), ("cost_model", cost), ("sources", drafted)):
         if not frame.empty:
             paths.append(out_dir / f"{name}.csv")
             frame.to_csv(paths[-1], index=False)
@@ -224,13 +240,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"speedup: {note}", file=sys.stderr)
     accepted = steps.acceptance(comparisons)
     cost = steps.cost_model(comparisons, resolve_path(args.calibration))
+    drafted = steps.sources(comparisons)
     if args.json:
         print(json.dumps(json.loads(table.to_json(orient="records")), indent=1))
     else:
         print(format_table(table), end="")
-        extra = format_steps(accepted, cost)
+        extra = format_steps(accepted, cost, drafted=drafted)
         print("\n" + extra if extra else "", end="")
-    paths = write_outputs(table, args.out or default_out_dir(args.paths), accepted, cost)
+    paths = write_outputs(table, args.out or default_out_dir(args.paths), accepted, cost, drafted)
     print(f"speedup: wrote {', '.join(map(str, paths))}", file=sys.stderr)
     return 0
 

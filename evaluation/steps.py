@@ -21,6 +21,7 @@ from typing import Sequence
 import pandas as pd
 
 from evaluation.analysis import OVERALL, SETUP_KEYS, Comparison
+from evaluation.categories import group_order
 from evaluation.calibrate import Calibration, CalibrationError, file_for
 
 MAX_DEPTH = 8
@@ -48,6 +49,29 @@ def acceptance(comparisons: Sequence[Comparison]) -> pd.DataFrame:
         row |= {f"d{d}": sum(len(p) >= d for p in drafting) / len(drafting) for d in range(1, MAX_DEPTH + 1)}
         row |= {f"r{r}": sum(bool(p) and p[0] == r for p in drafting) / len(drafting) for r in range(MAX_RANK)}
         rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def sources(comparisons: Sequence[Comparison]) -> pd.DataFrame:
+    """Per setup, platform, method label and category group (pooled over runs): the share of decode steps
+    by what the drafter verified (``retrieval``, ``aux``, ...), for drafters that report it."""
+    pooled: dict[tuple, dict[str, dict[str, int]]] = {}
+    for c in comparisons:
+        frame = c.run.frame.loc[c.run.ok_ids]
+        groups = pooled.setdefault((*c.setup, c.platform, c.run.label), {})
+        for group, counts in zip(frame["group"], frame["sources"]):
+            for g in (group, OVERALL):
+                total = groups.setdefault(g, {})
+                for source, n in counts.items():
+                    total[source] = total.get(source, 0) + n
+    rows = []
+    for key, groups in pooled.items():
+        for group in (g for g in group_order() if g in groups):
+            steps = sum(groups[group].values())
+            if steps:
+                rows.append({**dict(zip(SETUP_KEYS, key[:-2])), "platform": key[-2], "label": key[-1],
+                             "group": group, "steps": steps,
+                             **{source: n / steps for source, n in sorted(groups[group].items())}})
     return pd.DataFrame(rows)
 
 

@@ -1,5 +1,6 @@
 """SAM-Decoding: the automaton against brute force, the drafts, the fallback, losslessness on the tiny models."""
 
+import json
 import random
 
 import pytest
@@ -8,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import VOCAB
+from evaluation import analysis, speedup, steps
+from evaluation.categories import group_of
 from evaluation.run import build_drafter
 from helpers import config
 from methods.drafter import Drafter
@@ -199,12 +202,12 @@ def test_output_equals_greedy_on_random_prompts(model, kwargs, request):
 def test_retrieval_is_accepted_and_the_aux_observes_every_step(llama, mode):
     prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17]
     drafter = SamDecoding(VOCAB, threshold=2, mode=mode)
-    steps = []
+    observed = []
     observe = drafter.aux.observe
 
     def spy(step):
         observe(step)
-        steps.append(step)
+        observed.append(step)
         position = int(step.accepted[-1])  # the aux learned from this block, whoever drafted it
         top = step.logits[position].topk(drafter.aux.k).indices
         assert drafter.aux.matrix[int(step.tokens[position])].tolist() == top.tolist()
@@ -212,11 +215,11 @@ def test_retrieval_is_accepted_and_the_aux_observes_every_step(llama, mode):
     drafter.aux.observe = spy
     gen = run(llama, drafter, prompt, 48)
     assert gen.output_ids == run(llama, Drafter(VOCAB), prompt, 48).output_ids
-    assert len(steps) == gen.decoding_steps
+    assert len(observed) == gen.decoding_steps
     source = "retrieval" if mode == "switch" else "merged"
     assert drafter.sources[source] > 0 and sum(drafter.sources.values()) == gen.decoding_steps
     assert gen.drafter_stats["sources"] == {k: v for k, v in drafter.sources.items() if v}  # recorded per turn
-    assert any(s.shape.is_chain and s.shape.n_nodes > 1 for s in steps) == (mode == "switch")
+    assert any(s.shape.is_chain and s.shape.n_nodes > 1 for s in observed) == (mode == "switch")
     assert sum(gen.accept_lengths) / gen.decoding_steps > 1.5
 
 
@@ -291,3 +294,28 @@ def test_config_label_and_overrides():
     assert drafter.threshold == 2 and drafter.mode == "merge" and drafter.aux.k == 4
     assert drafter.aux.trees[0][0].n_nodes == 16
     assert build_drafter(config("method=sam", "method.aux=none").method, vocab_size=VOCAB, device="cpu").aux is None
+
+
+def test_the_analysis_reports_the_share_of_steps_by_draft_source(tmp_path, capsys):
+    folder = tmp_path / "results" / "tiny" / "mini"
+    folder.mkdir(parents=True)
+    header = {"model": "tiny", "data": "mini", "dtype": "float32", "device": "cpu", "max_new_tokens": 8,
+              "question_ids": [1, 2]}
+    choice = {"turns": ["x"], "new_tokens": [4], "wall_time": [1.0], "decoding_steps": [3], "output_ids": [[1] * 4],
+              "accept_lengths": [1, 1, 1]}
+    stats = {1: [{"sources": {"retrieval": 1, "aux": 2}}], 2: [{"sources": {"aux": 1}}, {"sources": {"none": 2}}]}
+    for label in ("baseline", "sam"):
+        records = [{"question_id": q, "category": category, "choices": [choice if label == "baseline" else
+                                                                       dict(choice, drafter_stats=stats[q])]}
+                   for q, category in ((1, "qa"), (2, "translation"))]
+        (folder / f"{label}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (folder / f"{label}.meta.json").write_text(json.dumps({**header, "method": label, "label": label}))
+    comparisons, _ = analysis.pair_runs(analysis.load_runs([folder]))
+    table = steps.sources(comparisons).set_index("group")
+    assert set(table["label"]) == {"sam"}  # the baseline reports no sources
+    overall = table.loc[analysis.OVERALL]
+    assert overall["steps"] == 6 and overall["retrieval"] == pytest.approx(1 / 6) and overall["aux"] == 0.5
+    assert table.loc[group_of("translation"), "none"] == pytest.approx(2 / 3)
+    assert speedup.main([str(folder), "--out", str(tmp_path / "tables")]) == 0
+    assert "Draft sources" in capsys.readouterr().out
+    assert (tmp_path / "tables" / "sources.csv").is_file()
