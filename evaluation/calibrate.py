@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
@@ -71,10 +72,23 @@ class Calibration:
     forward_ms: tuple[tuple[float, ...], ...]
     provenance: dict
 
+    @cached_property
+    def fitted_ms(self) -> tuple[tuple[float, ...], ...]:
+        """The step times fitted to what cost must be: non-decreasing in q and in the context length
+        (isotonic regression in q per context and in the context per q, alternated until both hold). A
+        noisy median (one slow repeat at q=1) would otherwise make a larger tree look cheap next to it."""
+        rows = tuple(map(tuple, self.step_ms))
+        for _ in range(100):
+            fitted = tuple(zip(*(isotonic(column) for column in zip(*(isotonic(row) for row in rows)))))
+            if fitted == rows:
+                break
+            rows = fitted
+        return rows
+
     def seconds(self, q: int, context: int) -> float:
-        """Predicted time of a step over ``q`` tokens at a context length: piecewise linear in both,
-        linearly extrapolated past the measured range."""
-        per_context = [_interp(q, self.sizes, row) for row in self.step_ms]
+        """Predicted time of a step over ``q`` tokens at a context length, from the fitted times: piecewise
+        linear in both, linearly extrapolated past the measured range."""
+        per_context = [_interp(q, self.sizes, row) for row in self.fitted_ms]
         return max(_interp(context, self.contexts, per_context), 1e-6) / 1000
 
     def to_json(self) -> dict:
@@ -92,6 +106,17 @@ class Calibration:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CalibrationError(f"{path}: not a readable calibration file ({err}); delete it and rerun "
                                    "python -m evaluation.calibrate") from err
+
+
+def isotonic(values: Sequence[float]) -> tuple[float, ...]:
+    """The least-squares non-decreasing fit of a sequence (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return tuple(m for m, n in blocks for _ in range(int(n)))
 
 
 def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -156,10 +181,11 @@ def plot(calibration: Calibration, path: Path) -> None:
     fig = Figure(figsize=(6.5, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for context, row in zip(calibration.contexts, calibration.step_ms):
-        ax.plot(calibration.sizes, [t / row[0] for t in row], marker=".", label=f"context {context}")
+    for context, row, fit in zip(calibration.contexts, calibration.step_ms, calibration.fitted_ms):
+        line, = ax.plot(calibration.sizes, [t / row[0] for t in row], marker=".", label=f"context {context}")
+        ax.plot(calibration.sizes, [t / fit[0] for t in fit], linestyle="--", color=line.get_color(), alpha=0.6)
     ax.set_xlabel("tokens verified per step (q, root included)")
-    ax.set_ylabel("step time / step time at q=1")
+    ax.set_ylabel("step time / step time at q=1 (dashed: monotone fit)")
     key = calibration.key
     ax.set_title(f"{key['model']} {key['dtype']}, {key['threads']} threads\n{key['device_name']}", fontsize="medium")
     ax.grid(alpha=0.3)
