@@ -167,3 +167,27 @@ def test_a_missing_head_or_bad_tree_is_refused():
         Eagle(VOCAB)
     with pytest.raises(ValueError, match="total_tokens"):
         Eagle(VOCAB, head="random", total_tokens=1)
+
+
+def test_through_the_harness_lossless_and_a_misfit_head_stops_before_any_question(tmp_path):
+    from evaluation.run import run as run_config
+    from helpers import tiny_checkpoint
+
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": ["a b c a b c " * (i + 1)]})
+                                 + "\n" for i in range(3)))
+    common = ["model=hf", f"model.path={checkpoint}", "model.template=plain", "max_new_tokens=16", "dtype=float32",
+              "device=cpu", "threads=1", "run.progress=false", "warmup=0", f"data.path={questions}",
+              f"run.dir={tmp_path / 'results'}"]
+    paths = [run_config(config(*common, *method)) for method in
+             (["method=baseline"], ["method=eagle", "method.head=random", "method.total_tokens=8", "method.depth=3",
+                                    "method.top_k=2"])]
+    outputs = [[json.loads(line)["choices"][0]["output_ids"] for line in p.read_text().splitlines()] for p in paths]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 3
+
+    head = EagleHead(tiny_llama())  # hidden 32 and a 64-token vocabulary: not the checkpoint's 30 tokens
+    head.save(tmp_path / "other")
+    with pytest.raises(HeadError, match="another target: vocab_size 64"):
+        run_config(config(*common, "method=eagle", f"method.head={tmp_path / 'other'}", "method.label=misfit"))
+    assert not list((tmp_path / "results").rglob("misfit*.jsonl"))
