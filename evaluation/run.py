@@ -31,7 +31,7 @@ from evaluation import autotree, models
 from evaluation import data as datasets
 from evaluation.data import PROJECT_ROOT, resolve_path
 from evaluation.results import ResultFile, ResultLocked
-from methods.drafter import Drafter
+from methods.drafter import Drafter, DrafterUnfit
 from methods.engine import Engine
 
 PACKAGES = ("torch", "transformers", "accelerate", "gguf", "hydra-core", "fschat", "draftbench")
@@ -121,6 +121,7 @@ def run(cfg: DictConfig) -> Path:
     loaded = models.load(cfg.model, device, dtype)
     vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
     drafter = build_drafter(cfg.method, vocab_size, device, **tree)
+    drafter.attach(loaded.model)  # a drafter that does not fit the model (e.g. a draft head) fails here
     time_forward = device.type == "cpu" if cfg.time_forward == "auto" else bool(cfg.time_forward)
     engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=time_forward)
 
@@ -206,7 +207,8 @@ def _summary(records: list[dict], path: Path) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except (models.ModelUnavailable, ResultLocked, autotree.AutoTreeError, FileNotFoundError) as err:  # says what to do
+    except (models.ModelUnavailable, ResultLocked, autotree.AutoTreeError, DrafterUnfit,
+            FileNotFoundError) as err:  # the message says what to do
         sys.exit(f"draftbench: error: {err}")
 
 

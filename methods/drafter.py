@@ -10,8 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 from methods.tree import Draft, TreeShape
+
+
+class DrafterUnfit(ValueError):
+    """A drafter that cannot serve this model (e.g. a draft head trained for another); says what to do."""
 
 
 @dataclass
@@ -29,7 +34,7 @@ class Step:
     accepted: torch.Tensor  # [L] block indices of the accepted path, root first
     path_ranks: list[int]  # sibling rank (TreeShape.sibling_ranks) of every accepted draft node, by depth
     emitted: list[int]  # tokens this step added to the output (accepted drafts + bonus, after stops)
-    hidden_states: torch.Tensor | None  # [size, hidden] last layer, when the drafter asks for them
+    hidden_states: torch.Tensor | None  # [size, len(hidden_layers) x hidden]: the layers the drafter asked for
 
 
 class Drafter:
@@ -44,8 +49,10 @@ class Drafter:
 
     #: ask the engine for logits at every prompt position in ``reset`` (costs a full-width lm_head)
     needs_prefill_logits: bool = False
-    #: ask the engine for the last hidden states in every :class:`Step`
-    needs_hidden_states: bool = False
+    #: the target's hidden states the drafter needs, as indices into Hugging Face's ``hidden_states`` (0: the
+    #: embeddings, i: the input of layer i, -1: the last layer's output after the final norm); the engine
+    #: hands them over concatenated in this order, for the prompt (``reset``) and in every :class:`Step`
+    hidden_layers: tuple[int, ...] = ()
     #: the constructor argument that sets the draft tree (or chain length); ``auto`` there lets the harness
     #: choose it for the hardware (evaluation.autotree) and hand over a :class:`~methods.tree_search.TreePlan`
     tree_param: str | None = None
@@ -60,8 +67,15 @@ class Drafter:
         self.vocab_size = vocab_size  # the model's logit width (may exceed len(tokenizer))
         self.device = torch.device(device)
 
-    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
-        """Start a generation for ``prompt`` ([P] ids); ``prefill_logits`` is [P, V] if requested."""
+    def attach(self, model: PreTrainedModel) -> None:
+        """Take what the drafter needs of the target model itself (its config, embeddings, lm_head): called
+        by the harness before any question, so that a drafter that does not fit the model fails at once,
+        and by :meth:`Engine.generate` (then a no-op for the same model)."""
+
+    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
+              prefill_hidden: torch.Tensor | None = None) -> None:
+        """Start a generation for ``prompt`` ([P] ids); ``prefill_logits`` is [P, V] if requested,
+        ``prefill_hidden`` [P, len(hidden_layers) x hidden] if ``hidden_layers`` asks for any."""
 
     def propose(self, ids: list[int]) -> Draft | None:
         """Draft the continuation of ``ids`` (prompt + output so far; ``ids[-1]`` is the root)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -93,19 +94,22 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
                 f"context of {self.max_length} tokens"
             )
+        drafter.attach(self.model)
         cache = DynamicCache()
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         self.sync()
         start = time.perf_counter()
+        layers = drafter.hidden_layers
         out = self.model(
             input_ids=prompt[None],
             use_cache=True,
             logits_to_keep=0 if drafter.needs_prefill_logits else 1,
+            output_hidden_states=list(layers) if layers else False,
             **{self.cache_kw: cache},
         )
         logits = out.logits[0]
         first = int(logits[-1].argmax())
-        drafter.reset(prompt, logits if drafter.needs_prefill_logits else None)
+        drafter.reset(prompt, logits if drafter.needs_prefill_logits else None, self._hidden(out, layers))
         self.sync()
         gen = Generation(output_ids=[first])
         gen.prefill_time = time.perf_counter() - start
@@ -115,7 +119,7 @@ class Engine:
         start = time.perf_counter()
         while first not in self.eos and len(gen.output_ids) < max_new_tokens:
             draft = drafter.propose(ids)
-            step = self.verify(ids[-1], len(ids) - 1, draft, cache, drafter.needs_hidden_states)
+            step = self.verify(ids[-1], len(ids) - 1, draft, cache, layers)
             emitted = self._stop(step.emitted, max_new_tokens - len(gen.output_ids))
             step.emitted = emitted
             gen.output_ids += emitted
@@ -140,8 +144,10 @@ class Engine:
                 return emitted[: i + 1]
         return emitted
 
-    def verify(self, root: int, position: int, draft: Draft | None, cache: DynamicCache, hidden: bool = False) -> Step:
-        """One step: verify ``draft`` after ``root`` (at ``position``) in one forward and keep the accepted KV."""
+    def verify(self, root: int, position: int, draft: Draft | None, cache: DynamicCache,
+               hidden_layers: Sequence[int] = ()) -> Step:
+        """One step: verify ``draft`` after ``root`` (at ``position``) in one forward and keep the accepted KV;
+        ``hidden_layers``: the hidden states to hand over in the step (:attr:`Drafter.hidden_layers`)."""
         shape: TreeShape = draft.shape if draft is not None else chain(0)
         buf = shape.buffers(self.device, self.dtype)
         self._root.fill_(root)
@@ -155,7 +161,7 @@ class Engine:
             position_ids=(buf.depths + position)[None],
             attention_mask=None if shape.is_chain else self._attention_mask(shape, buf.mask_block, position),
             use_cache=True,
-            output_hidden_states=hidden,
+            output_hidden_states=list(hidden_layers) if hidden_layers else False,
             **{self.cache_kw: cache},
         )
         if self.time_forward:
@@ -186,8 +192,16 @@ class Engine:
             accepted=path,
             path_ranks=[shape.sibling_ranks[i] for i in shape.paths[best_i][1:]],
             emitted=picked[2 : 1 + length] + [picked[-1]],
-            hidden_states=out.hidden_states[-1][0] if hidden else None,
+            hidden_states=self._hidden(out, hidden_layers),
         )
+
+    @staticmethod
+    def _hidden(out: object, layers: Sequence[int]) -> torch.Tensor | None:
+        """The requested layers' hidden states of the one sequence, concatenated: [tokens, len(layers) x hidden]."""
+        if not layers:
+            return None
+        states = [out.hidden_states[i][0] for i in layers]
+        return states[0] if len(states) == 1 else torch.cat(states, -1)
 
     def _attention_mask(self, shape: TreeShape, block_mask: torch.Tensor, position: int) -> torch.Tensor | dict:
         """Additive float mask [1, 1, size, position + size]: the prefix is visible, the block is the tree's."""

@@ -130,7 +130,8 @@ class Lookahead(Drafter):
     def _draw(self, n: int) -> list[int]:
         return [self._rng.choice(self._prompt) for _ in range(n)]
 
-    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
+    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
+              prefill_hidden: torch.Tensor | None = None) -> None:
         self._prompt = prompt.tolist()
         self._rng.seed(self.seed)
         self.rows = [self._draw(self.W + self.N - 3)]

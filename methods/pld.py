@@ -95,7 +95,8 @@ class PromptLookup(Drafter):
         self.index = NgramIndex(min_ngram_size, max_ngram_size)
         self.lengths = lengths  # chain length per context bucket (0: the plan found no chain worth its cost)
 
-    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
+    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
+              prefill_hidden: torch.Tensor | None = None) -> None:
         ids = prompt.tolist()
         self.index.clear()
         self.index.extend(ids, len(ids))

@@ -83,7 +83,8 @@ class TokenRecycling(Drafter):
             levels.append((parents[idx].to(self.device), ranks[idx].to(self.device), slice(first, last)))
         return shape, levels
 
-    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
+    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
+              prefill_hidden: torch.Tensor | None = None) -> None:
         if self.start == "cold":
             self.matrix.zero_()
             self._write(prompt, prefill_logits, priority=torch.arange(len(prompt), device=prompt.device))

@@ -218,12 +218,13 @@ class SamDecoding(Drafter):
         self._reported = self.sources.copy()
         return {"sources": dict(turn)}
 
-    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None) -> None:
+    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
+              prefill_hidden: torch.Tensor | None = None) -> None:
         self.context = Context()
         self.corpus_match = Match()
         self._follow(prompt.tolist())
         if self.aux is not None:
-            self.aux.reset(prompt, prefill_logits)
+            self.aux.reset(prompt, prefill_logits, prefill_hidden)
 
     def _follow(self, tokens: list[int]) -> None:
         for t in tokens:

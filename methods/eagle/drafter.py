@@ -1,0 +1,208 @@
+"""EAGLE drafting on the shared engine: a draft head over the target's features grows the draft tree.
+
+The head (:mod:`methods.eagle.head`) pairs the target's feature at position t with the embedding of
+token t+1 and predicts the feature at t+1; the target's lm_head turns it into next-token log-probs. Its
+KV cache holds one entry per context position, always computed from the target's own features (the
+engine hands them over: the prompt's at ``reset``, the accepted path's in every ``Step``), never from
+the head's guesses; the entries of a step's draft tree are dropped as soon as the tree is drafted.
+
+Two trees: a static template (``tree=<name>``, rank paths as Token Recycling's: node ``[0, 1]`` is the
+second most likely child of the most likely first token), or EAGLE-2's dynamic tree (``tree=dynamic``):
+from the root, expand the ``top_k`` candidates of highest cumulative log-probability at every depth, each
+into its ``top_k`` children, then keep the ``total_tokens - 1`` best of all candidates. Each depth is one
+head forward over the expanded nodes (siblings share a position; each sees the context and its own
+ancestors). The dynamic tree's shape changes from step to step; shapes are interned
+(:func:`methods.tree.interned`), so a recurring tree reuses its buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from methods.drafter import Drafter, Step
+from methods.eagle.head import EagleHead, HeadError, load_head
+from methods.engine import Engine
+from methods.tree import Draft, from_rank_paths, interned, load_template
+
+
+class Eagle(Drafter):
+    """The EAGLE drafter: ``head`` is a checkpoint directory (EAGLE-1 layout) or ``random`` (an untrained
+    head, seeded: for tests and timing only); ``tree`` is ``dynamic`` (EAGLE-2) or a template name."""
+
+    hidden_layers = (-1,)  # EAGLE-1 reads the last layer's output, after the final norm
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        head: str | None = None,
+        tree: str | Sequence[Sequence[int]] = "dynamic",
+        total_tokens: int = 60,
+        depth: int = 6,
+        top_k: int = 10,
+        seed: int = 0,
+    ):
+        super().__init__(vocab_size, device)
+        if head is None:
+            raise HeadError("method.head is not set: give the directory of an EAGLE-1 head for this model "
+                            "(config.json + model.safetensors), or method.head=random for an untrained one")
+        if tree == "dynamic" and not (total_tokens >= 2 and depth >= 1 and top_k >= 1):
+            raise ValueError(f"method.total_tokens (>= 2), method.depth and method.top_k (>= 1) must be positive, "
+                             f"got {total_tokens}, {depth}, {top_k}")
+        self.head_source, self.seed = head, seed
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        self.static = None if tree == "dynamic" else self._levels(load_template(tree) if isinstance(tree, str) else tree)
+        self.head: EagleHead | None = None
+        self._target: PreTrainedModel | None = None
+        self.cache = DynamicCache()
+        self.cached = 0  # context positions in the head's cache
+        self.features: list[torch.Tensor] = []  # target features not yet fed to the head
+
+    @staticmethod
+    def _levels(paths: Sequence[Sequence[int]]) -> tuple:
+        """A template's shape and, per depth, what one head forward needs: the nodes fed (those with
+        children), their parents' rows among the previous depth's fed nodes, their visibility among all
+        fed nodes, and the children they fill (block index, row among the fed nodes, rank)."""
+        shape, ranks = from_rank_paths(paths)
+        depth, ranks = shape.depth_list, ranks.tolist()
+        has_children = set(shape.parents)
+        fed: list[int] = []  # block indices in feeding order
+        levels = []
+        for d in range(0, max(depth) + 1):
+            nodes = [i for i in range(shape.n_nodes) if depth[i] == d and i in has_children]
+            if not nodes:
+                break
+            children = [(c, nodes.index(p), ranks[c - 1]) for c, p in enumerate(shape.parents, start=1) if p in nodes]
+            rows = [fed.index(shape.parents[i - 1]) if d > 1 else -1 for i in nodes] if d > 0 else []
+            visible = torch.tensor([[f in shape.paths[i] for f in fed + nodes] for i in nodes]) if d > 0 else None
+            levels.append((torch.tensor(nodes), rows, visible, torch.tensor([c for c, _, _ in children]),
+                           torch.tensor([r for _, r, _ in children]), torch.tensor([k for _, _, k in children])))
+            fed += nodes if d > 0 else []
+        return shape, levels, max(ranks) + 1
+
+    def attach(self, model: PreTrainedModel) -> None:
+        if self._target is model:
+            return
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows != self.vocab_size:
+            raise HeadError(f"the model's lm_head has {rows} rows, the drafter was built for {self.vocab_size}")
+        if self.head_source == "random":
+            torch.manual_seed(self.seed)
+            head = EagleHead(model)
+        else:
+            head = load_head(self.head_source, model)
+        self.head = head.eval()
+        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self._min = torch.finfo(model.dtype).min
+        self._target = model
+
+    def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
+              prefill_hidden: torch.Tensor | None = None) -> None:
+        self.cache, self.cached, self.features = DynamicCache(), 0, [prefill_hidden]
+
+    def observe(self, step: Step) -> None:
+        # the features of the root and the accepted nodes whose next token was emitted (a stop may cut some)
+        self.features.append(step.hidden_states[step.accepted[: len(step.emitted)]])
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int]) -> Draft | None:
+        last = self._catch_up(ids)  # the head's prediction of the root's feature
+        logp = torch.log_softmax(self.lm_head(last), -1)  # [V]: the first draft token's
+        draft = self._dynamic(logp, last) if self.static is None else self._fill(logp, ids[-1], last)
+        Engine.truncate(self.cache, self.cached)  # drop the tree's entries: the context's stay
+        return draft
+
+    def _catch_up(self, ids: list[int]) -> torch.Tensor:
+        """Feed the head the pairs (target feature at t, token t+1) it has not seen; the last output."""
+        features = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
+        self.features = []
+        start, q = self.cached, features.shape[0]
+        if start + q != len(ids) - 1:
+            raise RuntimeError(f"EAGLE: {start + q} features for a context of {len(ids) - 1} tokens")
+        tokens = torch.tensor(ids[start + 1 :], device=self.device)
+        positions = torch.arange(start, start + q, device=self.device)
+        mask = None
+        if q > 1:
+            causal = positions[:, None] >= torch.arange(start + q, device=self.device)[None, :]
+            mask = self._additive(causal)
+        out = self.head(self.embed(tokens)[None], features[None], positions[None], mask, self.cache)
+        self.cached += q
+        return out[0, -1]
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(visible.shape, dtype=self.head.fc.weight.dtype, device=self.device)
+        return mask.masked_fill_(~visible, self._min)[None, None]
+
+    def _feed(self, tokens: torch.Tensor, parent_out: torch.Tensor, visible: torch.Tensor,
+              depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over nodes at ``depth`` (tokens [q], their parents' outputs [q, h]): their outputs
+        [q, h] and their children's log-probs [q, V]. ``visible`` [q, fed + q]: which tree entries (fed so far, then these) each sees."""
+        context = torch.ones(len(tokens), self.cached, dtype=torch.bool, device=self.device)
+        positions = torch.full((1, len(tokens)), self.cached + depth - 1, device=self.device)
+        out = self.head(self.embed(tokens)[None], parent_out[None], positions, self._additive(
+            torch.cat([context, visible], 1)), self.cache)[0]
+        return out, torch.log_softmax(self.lm_head(out), -1)
+
+    def _fill(self, logp: torch.Tensor, root: int, root_out: torch.Tensor) -> Draft:
+        """The static template, filled depth by depth from the head's ranked predictions."""
+        shape, levels, width = self.static
+        tokens = torch.empty(shape.n_nodes, dtype=torch.long, device=self.device)
+        tokens[0] = root
+        fed_out = root_out.new_empty(0, root_out.shape[-1])  # outputs of the fed nodes, in feeding order
+        for d, (nodes, rows, visible, children, parent_rows, ranks) in enumerate(levels):
+            if d == 0:
+                top = logp.topk(width).indices[None]  # the root's children
+            else:
+                parents_out = root_out.expand(len(nodes), -1) if d == 1 else fed_out[rows]
+                out, node_logp = self._feed(tokens[nodes], parents_out, visible, d)
+                fed_out = torch.cat([fed_out, out])
+                top = node_logp.topk(width, -1).indices
+            tokens[children] = top[parent_rows, ranks]
+        return Draft(tokens[1:], shape)
+
+    def _dynamic(self, logp: torch.Tensor, root_out: torch.Tensor) -> Draft:
+        """EAGLE-2: expand the best ``top_k`` by cumulative log-prob per depth, keep the best overall."""
+        k, dev = self.top_k, self.device
+        scores, tokens = logp.topk(k)
+        all_tokens, all_scores, all_parents = [tokens], [scores], [torch.full((k,), -1, device=dev)]
+        frontier, parent_out = torch.arange(k, device=dev), root_out.expand(k, -1)
+        visible = torch.eye(k, dtype=torch.bool, device=dev)
+        count = k
+        for d in range(1, self.depth):
+            out, node_logp = self._feed(tokens, parent_out, visible, d)
+            child_scores, child_tokens = node_logp.topk(k, -1)  # [k, k]
+            cum = (scores[:, None] + child_scores).flatten()
+            all_tokens.append(child_tokens.flatten())
+            all_scores.append(cum)
+            all_parents.append(frontier.repeat_interleave(k))
+            if d == self.depth - 1:
+                break
+            scores, best = cum.topk(k)
+            rows = best // k
+            tokens, parent_out, frontier = child_tokens.flatten()[best], out[rows], count + best
+            visible = torch.cat([visible[rows], torch.eye(k, dtype=torch.bool, device=dev)], 1)
+            count += k * k
+        cand_tokens, cand_scores = torch.cat(all_tokens), torch.cat(all_scores)
+        parents = torch.cat(all_parents).tolist()
+        keep = set(cand_scores.topk(min(self.total_tokens - 1, len(cand_scores))).indices.tolist())
+        for c in list(keep):  # scores never rise along a path; on an exact tie keep the ancestors too
+            while parents[c] >= 0 and parents[c] not in keep:
+                c = parents[c]
+                keep.add(c)
+        depth = {}
+        for c in sorted(keep):  # candidates are numbered depth by depth, parents first
+            depth[c] = 1 if parents[c] < 0 else depth[parents[c]] + 1
+        order = sorted(keep, key=lambda c: (depth[c], c))
+        index = {c: i for i, c in enumerate(order, start=1)}
+        shape = interned(tuple(index.get(parents[c], 0) for c in order))
+        return Draft(cand_tokens[torch.tensor(order, device=dev)], shape)
+
+    def describe(self) -> dict:
+        head = self.head
+        params = sum(p.numel() for p in head.parameters()) if head is not None else 0
+        return {"head": str(self.head_source), "head_params": params,
+                "head_bytes": sum(p.numel() * p.element_size() for p in head.parameters()) if head is not None else 0,
+                "tree": "dynamic" if self.static is None else f"static, {self.static[0].n_nodes - 1} nodes"}
