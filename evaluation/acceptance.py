@@ -32,7 +32,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from evaluation import data as datasets
-from evaluation.data import resolve_path
+from evaluation.data import PROJECT_ROOT, resolve_path
 from methods.tree_search import NodeStats
 
 
@@ -50,7 +50,25 @@ def tunable(method: DictConfig) -> tuple[type, str]:
     if not cls.tree_param:
         raise AcceptanceError(f"method {method.name!r} has no tree to choose (its drafter {cls.__name__} sets no "
                               "tree_param); auto trees exist for recycling (method.tree) and pld (method.num_pred_tokens)")
+    if cls.tree_owner:
+        raise AcceptanceError(f"method {method.name!r} drafts its method.{cls.tree_param} with {cls.tree_owner}, whose "
+                              f"statistics choose it: collect them with method={cls.tree_owner}")
     return cls, cls.tree_param
+
+
+def statistics_method(method: DictConfig) -> DictConfig:
+    """The method config whose statistics choose ``method``'s tree: its own, or its tree owner's
+    (``conf/method/<owner>.yaml``) with the settings the two share (e.g. ``k``) taken from ``method``."""
+    owner = drafter_class(method).tree_owner
+    if not owner:
+        return method
+    config = OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{owner}.yaml")
+    own = drafter_class(config).tree_param
+    for key in config:
+        if key not in ("_target_", "name", "label", own) and key in method:
+            config[key] = method[key]
+    config[own] = "auto"
+    return config
 
 
 def method_key(method: DictConfig) -> dict:

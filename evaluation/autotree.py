@@ -50,14 +50,15 @@ def _calibration(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> t
     return calibration, path
 
 
-def _statistics(cfg: DictConfig, dtype: str, questions: list[dict]) -> tuple[acceptance.Acceptance, Path]:
-    key = {"model": cfg.model.name, "dtype": dtype, "method": acceptance.method_key(cfg.method)}
+def _statistics(cfg: DictConfig, method: DictConfig, dtype: str,
+                questions: list[dict]) -> tuple[acceptance.Acceptance, Path]:
+    key = {"model": cfg.model.name, "dtype": dtype, "method": acceptance.method_key(method)}
     evaluated = set(acceptance.question_hashes(questions))
     if cfg.autotree.acceptance:
         candidates = [resolve_path(cfg.autotree.acceptance)]
     else:
-        candidates = acceptance.files_for(resolve_path(cfg.autotree.dir), cfg.model.name, dtype, cfg.method)
-    make = _command("acceptance", cfg, f" method={cfg.method.name} data=<questions you do not evaluate>")
+        candidates = acceptance.files_for(resolve_path(cfg.autotree.dir), cfg.model.name, dtype, method)
+    make = _command("acceptance", cfg, f" method={method.name} data=<questions you do not evaluate>")
     if not candidates or not candidates[0].is_file():
         raise AutoTreeError(f"tree=auto needs acceptance statistics for {key} in {cfg.autotree.dir} and none exist; "
                             f"collect them with: {make}")
@@ -87,7 +88,8 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
     if param is None or cfg.method.get(param) != "auto":
         return {}
     calibration, calibration_path = _calibration(cfg, device, dtype)
-    stats, stats_path = _statistics(cfg, str(dtype).removeprefix("torch."), questions)
+    stats, stats_path = _statistics(cfg, acceptance.statistics_method(cfg.method), str(dtype).removeprefix("torch."),
+                                    questions)
     plan = tree_search.plan(stats.stats, calibration.seconds, calibration.contexts,
                             sources={"calibration": str(calibration_path), "acceptance": str(stats_path)})
     return {param: plan}

@@ -58,6 +58,9 @@ class Drafter:
     tree_param: str | None = None
     #: that argument's value while acceptance statistics are collected: a wide candidate tree
     candidate_tree: object = None
+    #: the method (``conf/method/<name>.yaml``) whose acceptance statistics choose ``tree_param``, when that tree
+    #: is the one of a drafter this one contains (SAM's fallback: recycling); None: this method's own
+    tree_owner: str | None = None
     #: the constructor argument that takes a tree to score in the shadow of the verified one
     #: (:class:`~methods.tree_search.ShadowTree`), for drafters whose state learns from what is verified;
     #: None: statistics come from verifying the candidate tree itself

@@ -29,6 +29,7 @@ import torch
 
 from methods.drafter import Drafter, Step
 from methods.recycling import TokenRecycling
+from methods.tree_search import TreePlan
 from methods.tree import Draft, TreeShape, chain, interned
 
 SEPARATOR = -1  # between corpus documents: never a context token, so no match spans two documents
@@ -173,6 +174,9 @@ class SamDecoding(Drafter):
     turn's counts go into its result record (``drafter_stats``).
     """
 
+    tree_param = "aux_tree"  # auto: the fallback's tree chosen for the hardware from Token Recycling's statistics
+    tree_owner = "recycling"
+
     def __init__(
         self,
         vocab_size: int,
@@ -183,7 +187,7 @@ class SamDecoding(Drafter):
         offset: float = 0.0,
         mode: Literal["switch", "merge"] = "switch",
         aux: str = "recycling",
-        aux_tree: str = "paper-b3",
+        aux_tree: str | TreePlan = "paper-b3",
         k: int = 8,
         corpus: str | None = None,
         bias: int = 4,

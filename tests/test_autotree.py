@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from evaluation import analysis, calibrate, plots, speedup, steps
-from evaluation.acceptance import collect, count
+from evaluation.acceptance import AcceptanceError, collect, count
 from evaluation.autotree import AutoTreeError
 from evaluation.calibrate import Calibration
 from evaluation.run import run
@@ -167,6 +167,8 @@ def test_calibration_file_is_keyed_reused_and_refused_elsewhere(tiny):
 
 
 def test_tree_auto_without_statistics_names_the_command(tiny):
+    cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    calibrate.calibrate(config(*tiny["common"], *cal_cfg, name="calibrate"))  # whichever test ran first here
     with pytest.raises(AutoTreeError, match="python -m evaluation.acceptance .*method=recycling"):
         run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=recycling", "method.tree=auto",
                    f"run.dir={tiny['root'] / 'never'}"))
@@ -212,6 +214,21 @@ def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, metho
     row = cost[cost["label"].str.contains("auto")].iloc[0]
     assert not math.isnan(row["calibrated_decode_tokens_per_s"]) and not math.isnan(row["predicted_mat"])
     assert 0 <= row["outside_forward"] < 1
+
+
+def test_sam_falls_back_on_the_tree_chosen_from_token_recyclings_statistics(tiny):
+    cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    calibrate.calibrate(config(*tiny["common"], *cal_cfg, name="calibrate"))
+    with pytest.raises(AcceptanceError, match="collect them with method=recycling"):
+        collect(config(*tiny["common"], f"data.path={tiny['calib']}", "method=sam"))
+    stats_path = collect(config(*tiny["common"], f"data.path={tiny['calib']}", "method=recycling"))
+    out = tiny["root"] / "sam"
+    paths = [run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"run.dir={out}"))
+             for method in (["method=baseline"], ["method=sam", "method.aux_tree=auto", "method.threshold=2"])]
+    ids = [[r["choices"][0]["output_ids"] for r in map(json.loads, p.read_text().splitlines())] for p in paths]
+    assert ids[0] == ids[1]
+    meta = json.loads(paths[1].with_name(paths[1].name.replace(".jsonl", ".meta.json")).read_text())
+    assert meta["drafter"]["aux"]["plan"]["sources"]["acceptance"] == str(stats_path)
 
 
 def test_acceptance_by_depth_and_rank_from_step_records(tmp_path):
