@@ -51,8 +51,8 @@ def tunable(method: DictConfig) -> tuple[type, str]:
         raise AcceptanceError(f"method {method.name!r} has no tree to choose (its drafter {cls.__name__} sets no "
                               "tree_param); auto trees exist for recycling (method.tree) and pld (method.num_pred_tokens)")
     if cls.tree_owner:
-        raise AcceptanceError(f"method {method.name!r} drafts its method.{cls.tree_param} with {cls.tree_owner}, whose "
-                              f"statistics choose it: collect them with method={cls.tree_owner}")
+        raise AcceptanceError(f"method {method.name!r} drafts its method.{cls.tree_param} with {cls.tree_owner}: "
+                              f"its statistics are {cls.tree_owner}'s (acceptance.statistics_method)")
     return cls, cls.tree_param
 
 
@@ -67,7 +67,6 @@ def statistics_method(method: DictConfig) -> DictConfig:
     for key in config:
         if key not in ("_target_", "name", "label", own) and key in method:
             config[key] = method[key]
-    config[own] = "auto"
     return config
 
 
@@ -145,6 +144,13 @@ def collect(cfg: DictConfig) -> Path:
     every later pass the plan made from the statistics before it, so the tree measured is (close to)
     the tree chosen.
     """
+    method = statistics_method(cfg.method)
+    if method is not cfg.method:
+        print(f"acceptance: method {cfg.method.name} drafts its tree with {method.name}: collecting {method.name}'s "
+              "statistics", file=sys.stderr)
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.method = method
     cls, param = tunable(cfg.method)
     passes = cfg.autotree.passes if cls.shadow_param and cfg.method[param] != "auto" else 1
     path = _collect(cfg, cls, param, cfg.method[param])
