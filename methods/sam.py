@@ -272,8 +272,11 @@ class SamDecoding(Drafter):
             return self._chain(tokens)
         draft = self.aux.propose(ids)
         if not retrieved:
-            self.sources["aux"] += 1
+            self.sources["aux" if draft is not None else "none"] += 1
             return draft
+        if draft is None:  # the fallback drafts nothing here (aux_tree=auto found no tree worth its cost)
+            self.sources["retrieval"] += 1
+            return self._chain(tokens)
         self.sources["merged"] += 1
         return self._merge(draft, tokens)
 

@@ -223,6 +223,16 @@ def test_retrieval_is_accepted_and_the_aux_observes_every_step(llama, mode):
     assert sum(gen.accept_lengths) / gen.decoding_steps > 1.5
 
 
+@pytest.mark.parametrize("mode", ["switch", "merge"])
+def test_a_fallback_without_a_tree_leaves_the_chain_alone(llama, mode):
+    drafter = SamDecoding(VOCAB, threshold=2, mode=mode, aux_tree=[])  # as aux_tree=auto where no tree pays
+    prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17]
+    gen = run(llama, drafter, prompt, 40)
+    assert gen.output_ids == run(llama, Drafter(VOCAB), prompt, 40).output_ids
+    assert drafter.sources["retrieval"] > 0 and drafter.sources["none"] > 0
+    assert drafter.sources["aux"] == drafter.sources["merged"] == 0
+
+
 def test_hot_state_round_trips_and_sam_alone_has_none(llama):
     a = SamDecoding(VOCAB, threshold=2)
     run(llama, a, [4, 5, 6, 4, 5], 16)
