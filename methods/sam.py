@@ -202,9 +202,6 @@ class SamDecoding(Drafter):
             raise ValueError(f"method.mode must be 'switch' or 'merge', got {mode!r}")
         if aux not in AUXILIARIES:
             raise ValueError(f"method.aux must be one of {', '.join(AUXILIARIES)}, got {aux!r}")
-        if mode == "merge" and aux == "none":
-            raise ValueError("method.mode=merge merges the chain into the auxiliary drafter's tree: "
-                             "set method.aux=recycling, or method.mode=switch for SAM alone")
         super().__init__(vocab_size, device)
         self.static = load_corpus(corpus, vocab_size) if corpus is not None else None
         self.aux = TokenRecycling(vocab_size, device, tree=aux_tree, k=k) if aux == "recycling" else None

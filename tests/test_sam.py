@@ -256,7 +256,6 @@ def test_cold_aux_asks_for_prefill_logits():
         ({"factor": -1.0}, "method.factor"),
         ({"mode": "both"}, "method.mode"),
         ({"aux": "eagle"}, "method.aux must be one of recycling, none"),
-        ({"aux": "none", "mode": "merge"}, "method.aux=recycling"),
         ({"aux_tree": "nope"}, "method.tree"),
     ],
 )
@@ -303,7 +302,11 @@ def test_config_label_and_overrides():
     drafter = build_drafter(cfg.method, vocab_size=VOCAB, device="cpu")
     assert drafter.threshold == 2 and drafter.mode == "merge" and drafter.aux.k == 4
     assert drafter.aux.trees[0][0].n_nodes == 16
-    assert build_drafter(config("method=sam", "method.aux=none").method, vocab_size=VOCAB, device="cpu").aux is None
+    alone = build_drafter(config("method=sam", "method.aux=none").method, vocab_size=VOCAB, device="cpu")
+    assert alone.aux is None and alone.mode == "merge"  # nothing to merge with: the chain alone, as switch
+    ids = [2, 3, 4, 5, 6, 7, 2, 3, 4, 5]
+    alone.reset(torch.tensor(ids), None)
+    assert alone.propose(ids).tokens.tolist()[:3] == [6, 7, 2] and alone.propose(ids).shape.is_chain
 
 
 def test_the_analysis_reports_the_share_of_steps_by_draft_source(tmp_path, capsys):
