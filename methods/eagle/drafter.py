@@ -54,7 +54,8 @@ class Eagle(Drafter):
                              f"got {total_tokens}, {depth}, {top_k}")
         self.head_source, self.seed = head, seed
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
-        self.static = None if tree == "dynamic" else self._levels(load_template(tree) if isinstance(tree, str) else tree)
+        self.static = None if tree == "dynamic" else self._levels(
+            load_template(tree) if isinstance(tree, str) else tree, self.device)
         self.head: EagleHead | None = None
         self._target: PreTrainedModel | None = None
         self.cache = DynamicCache()
@@ -62,7 +63,7 @@ class Eagle(Drafter):
         self.features: list[torch.Tensor] = []  # target features not yet fed to the head
 
     @staticmethod
-    def _levels(paths: Sequence[Sequence[int]]) -> tuple:
+    def _levels(paths: Sequence[Sequence[int]], device: torch.device) -> tuple:
         """A template's shape and, per depth, what one head forward needs: the nodes fed (those with
         children), their parents' rows among the previous depth's fed nodes, their visibility among all
         fed nodes, and the children they fill (block index, row among the fed nodes, rank)."""
@@ -77,9 +78,10 @@ class Eagle(Drafter):
                 break
             children = [(c, nodes.index(p), ranks[c - 1]) for c, p in enumerate(shape.parents, start=1) if p in nodes]
             rows = [fed.index(shape.parents[i - 1]) if d > 1 else -1 for i in nodes] if d > 0 else []
-            visible = torch.tensor([[f in shape.paths[i] for f in fed + nodes] for i in nodes]) if d > 0 else None
-            levels.append((torch.tensor(nodes), rows, visible, torch.tensor([c for c, _, _ in children]),
-                           torch.tensor([r for _, r, _ in children]), torch.tensor([k for _, _, k in children])))
+            visible = torch.tensor([[f in shape.paths[i] for f in fed + nodes] for i in nodes],
+                                   device=device) if d > 0 else None
+            levels.append((torch.tensor(nodes, device=device), rows, visible,
+                           *(torch.tensor([c[j] for c in children], device=device) for j in range(3))))
             fed += nodes if d > 0 else []
         return shape, levels, max(ranks) + 1
 
