@@ -25,8 +25,8 @@ from evaluation.categories import group_order
 from evaluation.calibrate import Calibration, CalibrationError, file_for
 
 MAX_DEPTH = 8
-SOURCE_ORDER = ("retrieval", "merged", "aux", "none")  # draft sources listed first, in this order
 MAX_RANK = 8
+SOURCE_ORDER = ("retrieval", "merged", "aux", "none")  # draft sources listed first, in this order
 
 
 def _steps(comparison: Comparison) -> list[tuple[int, int, list[int]]]:
@@ -73,9 +73,12 @@ def sources(comparisons: Sequence[Comparison]) -> pd.DataFrame:
                 rows.append({**dict(zip(SETUP_KEYS, key[:-2])), "platform": key[-2], "label": key[-1],
                              "group": group, "steps": steps, **{source: n / steps for source, n in groups[group].items()}})
     table = pd.DataFrame(rows)
-    known = [s for s in SOURCE_ORDER if s in table.columns]
-    ordered = [*table.columns[: len(SETUP_KEYS) + 4], *known, *sorted(set(table.columns[len(SETUP_KEYS) + 4:]) - set(known))]
-    return table[ordered].fillna(0.0) if rows else table  # a source a drafter never used: 0% of its steps
+    if table.empty:
+        return table
+    fixed = [*SETUP_KEYS, "platform", "label", "group", "steps"]
+    found = [c for c in table.columns if c not in fixed]
+    order = [s for s in SOURCE_ORDER if s in found] + sorted(set(found) - set(SOURCE_ORDER))
+    return table[fixed + order].fillna(0.0)  # a source a drafter never used: 0% of its steps
 
 
 def find_calibration(meta: dict | None, directory: Path) -> Calibration | None:
