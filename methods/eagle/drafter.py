@@ -61,6 +61,7 @@ class Eagle(Drafter):
         self.cache = DynamicCache()
         self.cached = 0  # context positions in the head's cache
         self.features: list[torch.Tensor] = []  # target features not yet fed to the head
+        self._eye = torch.eye(top_k, dtype=torch.bool, device=self.device)  # each expanded node sees itself
 
     @staticmethod
     def _levels(paths: Sequence[Sequence[int]], device: torch.device) -> tuple:
@@ -171,7 +172,7 @@ class Eagle(Drafter):
         scores, tokens = logp.topk(k)
         all_tokens, all_scores, all_parents = [tokens], [scores], [torch.full((k,), -1, device=dev)]
         frontier, parent_out = torch.arange(k, device=dev), root_out.expand(k, -1)
-        visible = torch.eye(k, dtype=torch.bool, device=dev)
+        visible = self._eye
         count = k
         for d in range(1, self.depth):
             out, node_logp = self._feed(tokens, parent_out, visible, d)
@@ -185,7 +186,7 @@ class Eagle(Drafter):
             scores, best = cum.topk(k)
             rows = best // k
             tokens, parent_out, frontier = child_tokens.flatten()[best], out[rows], count + best
-            visible = torch.cat([visible[rows], torch.eye(k, dtype=torch.bool, device=dev)], 1)
+            visible = torch.cat([visible[rows], self._eye], 1)
             count += k * k
         cand_tokens, cand_scores = torch.cat(all_tokens), torch.cat(all_scores)
         parents = torch.cat(all_parents).tolist()
@@ -203,8 +204,7 @@ class Eagle(Drafter):
         return Draft(cand_tokens[torch.tensor(order, device=dev)], shape)
 
     def describe(self) -> dict:
-        head = self.head
-        params = sum(p.numel() for p in head.parameters()) if head is not None else 0
-        return {"head": str(self.head_source), "head_params": params,
-                "head_bytes": sum(p.numel() * p.element_size() for p in head.parameters()) if head is not None else 0,
+        params = list(self.head.parameters()) if self.head is not None else []
+        return {"head": str(self.head_source), "head_params": sum(p.numel() for p in params),
+                "head_bytes": sum(p.numel() * p.element_size() for p in params),
                 "tree": "dynamic" if self.static is None else f"static, {self.static[0].n_nodes - 1} nodes"}
