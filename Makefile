@@ -32,7 +32,7 @@ SPEC_BENCH_URL := https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/dat
 # and acceptance statistics first (made once, then reused).
 AUTO_METHODS = $(sort $(foreach m,$(METHODS),$(if $(findstring =auto,$(m)),$(firstword $(subst :, ,$(m))))))
 
-.PHONY: bench bench-loop calibrate test data install clean-venv
+.PHONY: bench bench-loop calibrate train-eagle test data install clean-venv
 
 install: $(STAMP)
 
@@ -50,6 +50,12 @@ data/spec_bench/question.jsonl:
 	mkdir -p $(@D)
 	if [ -f ../shared/spec_bench/question.jsonl ]; then ln -sf "$$(cd ../shared/spec_bench && pwd)/question.jsonl" $@; \
 	else curl -fsSL -o $@.tmp $(SPEC_BENCH_URL) && mv $@.tmp $@; fi
+
+# A self-distilled EAGLE-1 head for MODEL (method=eagle's default head once conf/model/MODEL.yaml names it):
+# prompts built offline, the model's own answers and features, training; about an hour for SmolLM2 on two CPU
+# cores. Rerunning resumes. Training prompts that overlap Spec-Bench or HumanEval are dropped (hence `data`).
+train-eagle: $(STAMP) data
+	$(PY) -m methods.eagle.train model=$(MODEL) $(ARGS)
 
 # Device calibration (reused when one exists for this machine, model, dtype and threads) and, for every
 # tree=auto method, its acceptance statistics on CALIB_DATA.

@@ -27,6 +27,11 @@ from methods.drafter import Drafter, Step
 from methods.tree import Draft, TreeShape, chain
 
 
+def cache_keyword(forward) -> str:
+    """The name a transformers forward takes its KV cache under: ``cache`` (5.x), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 class PromptTooLong(ValueError):
     """The prompt leaves no room for generation within the model's context length."""
 
@@ -69,7 +74,7 @@ class Engine:
         self.device = model.device
         self.dtype = model.dtype
         self._min = torch.finfo(self.dtype).min
-        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kw = cache_keyword(model.forward)
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         unknown = layer_types - {"full_attention", "sliding_attention"}
         if unknown:

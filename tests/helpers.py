@@ -17,11 +17,6 @@ def config(*overrides: str, name: str = "config") -> DictConfig:
         return compose(name, overrides=list(overrides))
 
 
-# Overrides a method needs to run at all: no EAGLE head for the embedded model ships yet (issue 12), so
-# its tests use an untrained one, which drafts badly but must be exactly as lossless.
-REQUIRED = {"eagle": ("method.head=random",)}
-
-
 def method_names() -> list[str]:
     return sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 

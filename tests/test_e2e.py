@@ -20,15 +20,15 @@ from nbclient import NotebookClient
 from evaluation import equal
 from evaluation.models import load_tokenizer
 from evaluation.run import run
-from helpers import REQUIRED, config, method_names
+from helpers import config, method_names
 
 pytestmark = pytest.mark.slow
 
 TOKENS = 48
 VARIANTS = [[f"method={m}"] for m in method_names() if m not in ("baseline", "eagle")] + [
     ["method=recycling", "method.start=cold", "method.tree=paper-b4"],
-    # an untrained head drafts nothing useful, so a small tree keeps its cost down: lossless all the same
-    ["method=eagle", *REQUIRED["eagle"], "method.total_tokens=8", "method.depth=3", "method.top_k=2"],
+    # the shipped head (methods/eagle/heads/smollm2-135m), drafting over its draft vocabulary; a small tree
+    ["method=eagle", "method.total_tokens=8", "method.depth=3", "method.top_k=2"],
 ]
 
 
@@ -87,10 +87,7 @@ def test_every_method_equals_the_baseline_in_float32(shared_dir, overrides):
     got = {r["question_id"]: r["choices"][0]["output_ids"] for r in records(path)}
     assert got == expected
     steps = [a for r in records(path) for a in r["choices"][0]["accept_lengths"]]
-    if "method.head=random" in overrides:  # an untrained head is seldom right: every step verifies its tree
-        assert all(size > 1 for r in records(path) for size in r["choices"][0]["block_sizes"])
-    else:
-        assert sum(steps) / len(steps) > 1.0, "a drafter that is never accepted is not being exercised"
+    assert sum(steps) / len(steps) > 1.0, "a drafter that is never accepted is not being exercised"
     assert equal.main([str(baseline), str(path), "--strict"]) == 0  # files: other runs may be in progress
 
 

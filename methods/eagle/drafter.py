@@ -1,7 +1,8 @@
 """EAGLE drafting on the shared engine: a draft head over the target's features grows the draft tree.
 
 The head (:mod:`methods.eagle.head`) pairs the target's feature at position t with the embedding of
-token t+1 and predicts the feature at t+1; the target's lm_head turns it into next-token log-probs. Its
+token t+1 and predicts the feature at t+1; the target's lm_head (EAGLE-1) or the head's own (EAGLE-3)
+turns it into next-token log-probs. The head names the target layers it reads (``hidden_layers``). Its
 KV cache holds one entry per context position, always computed from the target's own features (the
 engine hands them over: the prompt's at ``reset``, the accepted path's in every ``Step``), never from
 the head's guesses; the entries of a step's draft tree are dropped as soon as the tree is drafted.
@@ -13,6 +14,10 @@ into its ``top_k`` children, then keep the ``total_tokens - 1`` best of all cand
 head forward over the expanded nodes (siblings share a position; each sees the context and its own
 ancestors). The dynamic tree's shape changes from step to step; shapes are interned
 (:func:`methods.tree.interned`), so a recurring tree reuses its buffers.
+
+A head trained here ships its draft vocabulary (``draft_vocab.safetensors``: the target ids it drafts
+over, as EAGLE-3's ``d2t``): the head's next-token log-probs are over those rows of the lm_head only,
+which cuts the drafting's largest cost, the output projection, by V/N. Verification is untouched.
 """
 
 from __future__ import annotations
@@ -20,19 +25,23 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from methods.drafter import Drafter, Step
-from methods.eagle.head import EagleHead, HeadError, load_head
+from methods.eagle.head import Eagle3Head, EagleHead, HeadError, load_draft_vocab, load_head
 from methods.engine import Engine
 from methods.tree import Draft, from_rank_paths, interned, load_template
 
 
 class Eagle(Drafter):
-    """The EAGLE drafter: ``head`` is a checkpoint directory (EAGLE-1 layout) or ``random`` (an untrained
-    head, seeded: for tests and timing only); ``tree`` is ``dynamic`` (EAGLE-2) or a template name."""
+    """The EAGLE drafter: ``head`` is a checkpoint directory (EAGLE-1 or EAGLE-3 layout) or ``random`` (an
+    untrained EAGLE-1 head, seeded: for tests and timing only); ``tree`` is ``dynamic`` (EAGLE-2) or a
+    template name;
+    ``draft_vocab``: True drafts over the head's draft vocabulary when it ships one, an int N over its N
+    most frequent tokens, False over the whole vocabulary."""
 
-    hidden_layers = (-1,)  # EAGLE-1 reads the last layer's output, after the final norm
+    hidden_layers = EagleHead.reads  # set by the head in attach (EAGLE-3 reads three layers)
 
     def __init__(
         self,
@@ -44,19 +53,23 @@ class Eagle(Drafter):
         depth: int = 6,
         top_k: int = 10,
         seed: int = 0,
+        draft_vocab: bool | int = True,
     ):
         super().__init__(vocab_size, device)
         if head is None:
-            raise HeadError("method.head is not set: give the directory of an EAGLE-1 head for this model "
-                            "(config.json + model.safetensors), or method.head=random for an untrained one")
+            raise HeadError("method.head is not set and the model's config names no eagle_head: give the directory "
+                            "of an EAGLE head for this model (config.json + model.safetensors), train one (make "
+                            "train-eagle), or use method.head=random for an untrained one")
         if tree == "dynamic" and not (total_tokens >= 2 and depth >= 1 and top_k >= 1):
             raise ValueError(f"method.total_tokens (>= 2), method.depth and method.top_k (>= 1) must be positive, "
                              f"got {total_tokens}, {depth}, {top_k}")
-        self.head_source, self.seed = head, seed
+        if isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool) and draft_vocab < 1:
+            raise ValueError(f"method.draft_vocab must be true, false or a positive count, got {draft_vocab}")
+        self.head_source, self.seed, self.draft_vocab = head, seed, draft_vocab
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.static = None if tree == "dynamic" else self._levels(
             load_template(tree) if isinstance(tree, str) else tree, self.device)
-        self.head: EagleHead | None = None
+        self.head: EagleHead | Eagle3Head | None = None
         self._target: PreTrainedModel | None = None
         self.cache = DynamicCache()
         self.cached = 0  # context positions in the head's cache
@@ -92,13 +105,20 @@ class Eagle(Drafter):
         rows = model.get_output_embeddings().weight.shape[0]
         if rows != self.vocab_size:
             raise HeadError(f"the model's lm_head has {rows} rows, the drafter was built for {self.vocab_size}")
+        chosen = None
         if self.head_source == "random":
             torch.manual_seed(self.seed)
             head = EagleHead(model)
+            if not isinstance(self.draft_vocab, bool):
+                raise HeadError("method.draft_vocab: a random head has no draft vocabulary; use true or false")
         else:
             head = load_head(self.head_source, model)
+            chosen = load_draft_vocab(self.head_source, self.draft_vocab, rows)
         self.head = head.eval()
-        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.hidden_layers = head.reads
+        self.embed = model.get_input_embeddings()
+        # the draft vocabulary: its output rows, and their target ids (None: all of them, in order)
+        self.vocab_rows, self.vocab_ids = head.draft_vocabulary(model, chosen)
         self._min = torch.finfo(model.dtype).min
         self._target = model
 
@@ -113,7 +133,7 @@ class Eagle(Drafter):
     @torch.inference_mode()
     def propose(self, ids: list[int]) -> Draft | None:
         last = self._catch_up(ids)  # the head's prediction of the root's feature
-        logp = torch.log_softmax(self.lm_head(last), -1)  # [V]: the first draft token's
+        logp = self._logp(last)  # [N]: the first draft token's, over the draft vocabulary
         draft = self._dynamic(logp, last) if self.static is None else self._fill(logp, ids[-1], last)
         Engine.truncate(self.cache, self.cached)  # drop the tree's entries: the context's stay
         return draft
@@ -135,6 +155,13 @@ class Eagle(Drafter):
         self.cached += q
         return out[0, -1]
 
+    def _logp(self, out: torch.Tensor) -> torch.Tensor:
+        """Next-token log-probs over the draft vocabulary (indices into it; :meth:`_target_ids` maps them)."""
+        return torch.log_softmax(F.linear(self.head.output_norm(out), self.vocab_rows), -1)
+
+    def _target_ids(self, index: torch.Tensor) -> torch.Tensor:
+        return index if self.vocab_ids is None else self.vocab_ids[index]
+
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(visible.shape, dtype=self.head.fc.weight.dtype, device=self.device)
         return mask.masked_fill_(~visible, self._min)[None, None]
@@ -142,12 +169,12 @@ class Eagle(Drafter):
     def _feed(self, tokens: torch.Tensor, parent_out: torch.Tensor, visible: torch.Tensor,
               depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over nodes at ``depth`` (tokens [q], their parents' outputs [q, h]): their outputs
-        [q, h] and their children's log-probs [q, V]. ``visible`` [q, fed + q]: which tree entries (fed so far, then these) each sees."""
+        [q, h] and their children's log-probs [q, N] over the draft vocabulary. ``visible`` [q, fed + q]: which tree entries (fed so far, then these) each sees."""
         context = torch.ones(len(tokens), self.cached, dtype=torch.bool, device=self.device)
         positions = torch.full((1, len(tokens)), self.cached + depth - 1, device=self.device)
         out = self.head(self.embed(tokens)[None], parent_out[None], positions, self._additive(
             torch.cat([context, visible], 1)), self.cache)[0]
-        return out, torch.log_softmax(self.lm_head(out), -1)
+        return out, self._logp(out)
 
     def _fill(self, logp: torch.Tensor, root: int, root_out: torch.Tensor) -> Draft:
         """The static template, filled depth by depth from the head's ranked predictions."""
@@ -163,13 +190,14 @@ class Eagle(Drafter):
                 out, node_logp = self._feed(tokens[nodes], parents_out, visible, d)
                 fed_out = torch.cat([fed_out, out])
                 top = node_logp.topk(width, -1).indices
-            tokens[children] = top[parent_rows, ranks]
+            tokens[children] = self._target_ids(top[parent_rows, ranks])
         return Draft(tokens[1:], shape)
 
     def _dynamic(self, logp: torch.Tensor, root_out: torch.Tensor) -> Draft:
         """EAGLE-2: expand the best ``top_k`` by cumulative log-prob per depth, keep the best overall."""
         k, dev = self.top_k, self.device
         scores, tokens = logp.topk(k)
+        tokens = self._target_ids(tokens)
         all_tokens, all_scores, all_parents = [tokens], [scores], [torch.full((k,), -1, device=dev)]
         frontier, parent_out = torch.arange(k, device=dev), root_out.expand(k, -1)
         visible = self._eye
@@ -177,6 +205,7 @@ class Eagle(Drafter):
         for d in range(1, self.depth):
             out, node_logp = self._feed(tokens, parent_out, visible, d)
             child_scores, child_tokens = node_logp.topk(k, -1)  # [k, k]
+            child_tokens = self._target_ids(child_tokens)
             cum = (scores[:, None] + child_scores).flatten()
             all_tokens.append(child_tokens.flatten())
             all_scores.append(cum)
@@ -207,4 +236,6 @@ class Eagle(Drafter):
         params = list(self.head.parameters()) if self.head is not None else []
         return {"head": str(self.head_source), "head_params": sum(p.numel() for p in params),
                 "head_bytes": sum(p.numel() * p.element_size() for p in params),
+                "draft_vocab": len(self.vocab_rows) if self.head is not None else None,
+                "layers_read": list(self.hidden_layers),
                 "tree": "dynamic" if self.static is None else f"static, {self.static[0].n_nodes - 1} nodes"}
