@@ -98,7 +98,8 @@ def chain_from_scratch(model, w, ids: list[int], steps: int) -> list[int]:
         k, v = k[0].repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
         scores = q[0] @ k.transpose(1, 2) / math.sqrt(hd)
         scores = scores.masked_fill(~torch.ones(q_len, q_len, dtype=torch.bool).tril(), float("-inf"))
-        attended = (scores.softmax(-1) @ v).transpose(0, 1).reshape(q_len, HIDDEN) @ w["midlayer.self_attn.o_proj.weight"].T
+        attended = (scores.softmax(-1) @ v).transpose(0, 1).reshape(q_len, HIDDEN)
+        attended = attended @ w["midlayer.self_attn.o_proj.weight"].T
         h = h + attended
         m = _rms(h, w["midlayer.post_attention_layernorm.weight"])
         h = h + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) @ w[
@@ -139,7 +140,8 @@ def test_an_eagle3_head_is_lossless(target, tmp_path, kwargs):
 
 
 def test_the_fused_layers_come_from_the_config_when_it_names_them(target, tmp_path):
-    head = write_head(tmp_path / "eagle3", published_state(), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}})
+    head = write_head(tmp_path / "eagle3", published_state(),
+                      {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}})
     drafter = Eagle(VOCAB, head=head, total_tokens=4, depth=2, top_k=2)
     drafter.attach(target)
     assert drafter.hidden_layers == (1, 3, 7)
@@ -152,7 +154,8 @@ def _without(key):
 
 
 @pytest.mark.parametrize("state, updates, message", [
-    (_without("midlayer.hidden_norm.weight"), None, r"EAGLE-3 head that does not fit .*missing \['midlayer.hidden_norm.weight'\]"),
+    (_without("midlayer.hidden_norm.weight"), None,
+     r"EAGLE-3 head that does not fit .*missing \['midlayer.hidden_norm.weight'\]"),
     (_without("d2t"), None, r"missing \['d2t'\]"),
     (published_state(), {"hidden_size": 64}, "another target: hidden_size 64"),
     (published_state(), {"eagle_aux_hidden_state_layer_ids": [2, 4, 9]}, r"fused layers \[2, 4, 9\]"),

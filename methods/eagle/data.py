@@ -97,5 +97,7 @@ def read_shards(directory: Path) -> Iterator[Example]:
         t = load_file(str(path))
         offsets = t["offsets"].tolist()
         for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
-            yield Example(index=int(t["index"][i]), tokens=t["tokens"][a:b].long(), features=t["features"][a - i : b - i - 1],
+            # an example has one feature fewer than tokens: the i examples before hold i fewer
+            yield Example(index=int(t["index"][i]), tokens=t["tokens"][a:b].long(),
+                          features=t["features"][a - i : b - i - 1],
                           start=int(t["starts"][i]))

@@ -37,9 +37,9 @@ from methods.tree import Draft, from_rank_paths, interned, load_template
 class Eagle(Drafter):
     """The EAGLE drafter: ``head`` is a checkpoint directory (EAGLE-1 or EAGLE-3 layout) or ``random`` (an
     untrained EAGLE-1 head, seeded: for tests and timing only); ``tree`` is ``dynamic`` (EAGLE-2) or a
-    template name;
-    ``draft_vocab``: True drafts over the head's draft vocabulary when it ships one, an int N over its N
-    most frequent tokens, False over the whole vocabulary."""
+    template name; ``draft_vocab``: True drafts over the head's draft vocabulary when it ships one, an
+    int N over its N most frequent tokens, False over the whole vocabulary (an EAGLE-3 head always
+    drafts over its own)."""
 
     hidden_layers = EagleHead.reads  # set by the head in attach (EAGLE-3 reads three layers)
 
@@ -169,7 +169,8 @@ class Eagle(Drafter):
     def _feed(self, tokens: torch.Tensor, parent_out: torch.Tensor, visible: torch.Tensor,
               depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over nodes at ``depth`` (tokens [q], their parents' outputs [q, h]): their outputs
-        [q, h] and their children's log-probs [q, N] over the draft vocabulary. ``visible`` [q, fed + q]: which tree entries (fed so far, then these) each sees."""
+        [q, h] and their children's log-probs [q, N] over the draft vocabulary. ``visible`` [q, fed + q]:
+        which tree entries (fed so far, then these) each sees."""
         context = torch.ones(len(tokens), self.cached, dtype=torch.bool, device=self.device)
         positions = torch.full((1, len(tokens)), self.cached + depth - 1, device=self.device)
         out = self.head(self.embed(tokens)[None], parent_out[None], positions, self._additive(

@@ -1,5 +1,6 @@
-"""The EAGLE-1 draft head (Li et al., 2024): one decoder layer of the target's own type that predicts the
-target's next last-layer feature from the current feature and the next token's embedding.
+"""EAGLE draft heads: one decoder layer of the target's own type that predicts the target's next feature
+from the current feature and the next token's embedding. EAGLE-1 (Li et al., 2024) below; EAGLE-3
+(:class:`Eagle3Head`) fuses three layers and has its own output layer. :func:`load_head` tells them apart.
 
 ``fc`` maps ``[embedding of token t+1, target feature at t]`` (2h) to h, one decoder layer built from the
 target's own layer class (layer 0 without its input norm, as published) turns that into the predicted

@@ -312,7 +312,8 @@ def run(cfg: DictConfig) -> Path:
     rounded = EagleHead(loaded.model).float()
     rounded.load_state_dict({k: v.half().float() for k, v in head.state_dict().items()})
     metrics["heldout_chain_accuracy_float16_weights"] = [
-        round(a, 4) for a in chain_accuracy(rounded.eval(), embed, vocab, ids, heldout[: t.eval_examples], t.eval_depth)]
+        round(a, 4) for a in chain_accuracy(rounded.eval(), embed, vocab, ids, heldout[: t.eval_examples],
+                                            t.eval_depth)]
     counts: dict[str, int] = {}
     for p in prompts:
         counts[p["source"]] = counts.get(p["source"], 0) + 1
