@@ -34,6 +34,13 @@ def test_recycling_overrides_and_label():
     assert drafter.k == 4 and drafter.start == "cold" and drafter.trees[0][0].n_nodes == 16
 
 
+@pytest.mark.parametrize("device, tree", [("cpu", "paper-b2"), ("cuda", "dynamic"), ("cuda:1", "dynamic")])
+def test_eagle_defaults_to_the_tree_measured_best_for_the_device(device, tree):
+    cfg = config("method=eagle", f"device={device}")
+    assert cfg.method.tree == tree and cfg.method.label.startswith(f"eagle-{tree}-")
+    assert config("method=eagle", f"device={device}", "method.tree=paper-b3").method.tree == "paper-b3"
+
+
 def test_unknown_method_lists_the_choices():
     with pytest.raises(ConfigCompositionException, match="baseline"):
         config("method=nope")

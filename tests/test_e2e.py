@@ -27,8 +27,10 @@ pytestmark = pytest.mark.slow
 TOKENS = 48
 VARIANTS = [[f"method={m}"] for m in method_names() if m not in ("baseline", "eagle")] + [
     ["method=recycling", "method.start=cold", "method.tree=paper-b4"],
-    # the shipped head (methods/eagle/heads/smollm2-135m), drafting over its draft vocabulary; a small tree
-    ["method=eagle", "method.total_tokens=8", "method.depth=3", "method.top_k=2"],
+    # the shipped head (methods/eagle/heads/smollm2-135m) over its draft vocabulary: the CPU default (the static
+    # paper-b2 tree) and a small EAGLE-2 dynamic tree
+    ["method=eagle"],
+    ["method=eagle", "method.tree=dynamic", "method.total_tokens=8", "method.depth=3", "method.top_k=2"],
 ]
 
 

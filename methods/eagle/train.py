@@ -28,12 +28,14 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from evaluation import models
 from evaluation.data import DataError, humaneval_questions, read_questions, resolve_path
 from methods.eagle.data import Example, generate_batch, read_shards, write_shard
 from methods.eagle.head import EagleHead
 from methods.eagle.prompts import drop_overlap, training_prompts
+
 
 def _log(message: str) -> None:
     print(f"train-eagle: {message}", file=sys.stderr, flush=True)
@@ -157,8 +159,6 @@ def chain_accuracy(head: EagleHead, embed: torch.nn.Module, vocab: torch.Tensor,
         starts = torch.arange(first, n - 1)  # chain start t: its depth-d guess is token t + d + 1
         if len(starts) == 0:
             continue
-        from transformers import DynamicCache
-
         cache = DynamicCache()
         positions = torch.arange(n)[None]
         causal = torch.ones(n, n, dtype=torch.bool).tril()
