@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from evaluation import acceptance, calibrate
 from evaluation.data import resolve_path
 from methods import tree_search
+from methods.engine import Padding
 
 
 class AutoTreeError(RuntimeError):
@@ -82,14 +83,34 @@ def _statistics(cfg: DictConfig, method: DictConfig, dtype: str,
     return stats, path
 
 
-def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions: list[dict]) -> dict:
-    """Constructor overrides for the drafter: ``{tree_param: TreePlan}`` when the method asks for auto, else {}."""
+def padding(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[Padding | None, dict]:
+    """``autotree.pad``: the engine's block padding from this machine's calibration, and what the run header
+    records of it. ``auto`` pads when the calibration exists, ``true`` requires it, ``false`` never pads."""
+    mode = cfg.autotree.pad
+    if mode not in ("auto", True, False):
+        raise AutoTreeError(f"autotree.pad must be auto, true or false, got {mode!r}")
+    if mode is False:
+        return None, {"enabled": False}
+    try:
+        calibration, path = _calibration(cfg, device, dtype)
+    except AutoTreeError as err:
+        if mode is True:
+            raise AutoTreeError(f"autotree.pad=true: {err}") from err
+        return None, {"enabled": False, "why": "no calibration of this machine (python -m evaluation.calibrate)"}
+    return calibration.padding, {"enabled": True, "calibration": str(path), **calibration.padding.describe()}
+
+
+def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions: list[dict],
+            padded: bool = False) -> dict:
+    """Constructor overrides for the drafter: ``{tree_param: TreePlan}`` when the method asks for auto, else {}.
+    ``padded``: the engine pads blocks as the calibration says, so a tree's step time is its padded size's."""
     param = acceptance.drafter_class(cfg.method).tree_param
     if param is None or cfg.method.get(param) != "auto":
         return {}
     calibration, calibration_path = _calibration(cfg, device, dtype)
     stats, stats_path = _statistics(cfg, acceptance.statistics_method(cfg.method), str(dtype).removeprefix("torch."),
                                     questions)
-    plan = tree_search.plan(stats.stats, calibration.seconds, calibration.contexts,
-                            sources={"calibration": str(calibration_path), "acceptance": str(stats_path)})
+    plan = tree_search.plan(stats.stats, calibration.padded_seconds if padded else calibration.seconds,
+                            calibration.contexts, sources={"calibration": str(calibration_path),
+                                                           "acceptance": str(stats_path), "padded": padded})
     return {param: plan}

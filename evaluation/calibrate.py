@@ -17,6 +17,7 @@ over the single-token step time against q; rerunning with the same key reuses it
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import sys
@@ -34,10 +35,11 @@ from transformers import DynamicCache
 
 from evaluation import models
 from evaluation.data import resolve_path
-from methods.engine import Engine
+from methods.engine import Engine, Padding
 from methods.tree import Draft, from_rank_paths, load_template
 
 KEY_FIELDS = ("device_name", "model", "dtype", "threads", "torch")
+PAD_GAIN = 0.05  # a block is padded only to a size at least this much faster (smaller gains are within the noise)
 
 
 class CalibrationError(RuntimeError):
@@ -74,17 +76,43 @@ class Calibration:
 
     @cached_property
     def fitted_ms(self) -> tuple[tuple[float, ...], ...]:
-        """The step times made non-decreasing in the context length for every q (isotonic regression): more
-        context is never cheaper, so a slow repeat at one context is noise, and would make every tree there
-        look cheap next to its single-token step. Along q they stay as measured: a q that fills the matrix
-        kernels' blocks can cost less than a smaller one (here q=8 below q=7), and that is real."""
-        return tuple(zip(*(isotonic(column) for column in zip(*self.step_ms))))
+        """The step times of every q smoothed over the context: a least-squares quadratic in the context
+        length (a line for three contexts or fewer: a step reads the whole prefix, so its time grows about
+        linearly, a little faster once the cache outgrows the CPU's caches), then made non-decreasing
+        (isotonic regression), since more context is never cheaper. One slow or fast repeat at one context
+        would otherwise decide the tree there: a point 10% off moves a tree's predicted gain by as much as
+        the trees differ. Along q the times stay as measured: a q that fills the matrix kernels' blocks can
+        cost less than a smaller one (here q=8 below q=7), and that is real."""
+        return tuple(zip(*(isotonic(smooth(self.contexts, column)) for column in zip(*self.step_ms))))
 
     def seconds(self, q: int, context: int) -> float:
         """Predicted time of a step over ``q`` tokens at a context length, from the fitted times: piecewise
         linear in both, linearly extrapolated past the measured range."""
         per_context = [_interp(q, self.sizes, row) for row in self.fitted_ms]
         return max(_interp(context, self.contexts, per_context), 1e-6) / 1000
+
+    @cached_property
+    def padding(self) -> Padding:
+        """How the engine should feed a block on this machine: at every calibrated context (buckets end
+        halfway, geometrically, to the next, as a tree plan's do), ``q`` tokens as the measured size >= q
+        with the least fitted step time, when that is at least ``PAD_GAIN`` faster than ``q`` itself."""
+        tables = []
+        for context in self.contexts:
+            table = [0]
+            for q in range(1, max(self.sizes) + 1):
+                own = best = self.seconds(q, context)
+                size = q
+                for s in self.sizes:
+                    if s > q and self.seconds(s, context) < best and self.seconds(s, context) <= own * (1 - PAD_GAIN):
+                        best, size = self.seconds(s, context), s
+                table.append(size)
+            tables.append(tuple(table))
+        bounds = tuple(math.isqrt(a * b) for a, b in zip(self.contexts, self.contexts[1:]))
+        return Padding(bounds=bounds, sizes=tuple(tables))
+
+    def padded_seconds(self, q: int, context: int) -> float:
+        """Predicted time of a step over ``q`` tokens fed as :attr:`padding` says."""
+        return self.seconds(1 if q == 1 else self.padding.size(q, context), context)
 
     def to_json(self) -> dict:
         return {"key": self.key, "contexts": list(self.contexts), "sizes": list(self.sizes),
@@ -101,6 +129,17 @@ class Calibration:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CalibrationError(f"{path}: not a readable calibration file ({err}); delete it and rerun "
                                    "python -m evaluation.calibrate") from err
+
+
+def smooth(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, ...]:
+    """``ys`` at ``xs`` from a least-squares polynomial in ``xs``: quadratic from four points on, linear
+    from two, the point itself alone."""
+    degree = 2 if len(xs) >= 4 else min(1, len(xs) - 1)
+    if not degree:
+        return tuple(map(float, ys))
+    scale = max(xs)  # keeps the fit well conditioned
+    x = np.asarray(xs, dtype=float) / scale
+    return tuple(float(v) for v in np.polyval(np.polyfit(x, np.asarray(ys, dtype=float), degree), x))
 
 
 def isotonic(values: Sequence[float]) -> tuple[float, ...]:

@@ -117,13 +117,14 @@ def run(cfg: DictConfig) -> Path:
     device = models.resolve_device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
     dtype_name = str(dtype).removeprefix("torch.")
-    tree = autotree.resolve(cfg, device, dtype, questions)  # before the model too: missing files fail fast
+    padding, padding_facts = autotree.padding(cfg, device, dtype)
+    tree = autotree.resolve(cfg, device, dtype, questions, padded=padding is not None)  # missing files fail fast
     loaded = models.load(cfg.model, device, dtype)
     vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
     drafter = build_drafter(cfg.method, vocab_size, device, **tree)
     drafter.attach(loaded.model)  # a drafter that does not fit the model (e.g. a draft head) fails here
     time_forward = device.type == "cpu" if cfg.time_forward == "auto" else bool(cfg.time_forward)
-    engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=time_forward)
+    engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=time_forward, padding=padding)
 
     config = OmegaConf.to_container(cfg, resolve=True)
     header = {
@@ -140,6 +141,7 @@ def run(cfg: DictConfig) -> Path:
         "run": cfg.run.id,
         "eos_token_ids": sorted(loaded.eos_token_ids),
         "drafter": drafter.describe(),
+        "padding": padding_facts,
         **environment(device),
         "config": {k: v for k, v in config.items() if k != "run"},
         "run_config": config["run"],

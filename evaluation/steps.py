@@ -100,12 +100,13 @@ def _plan_prediction(plan: dict, steps: list, calibration: Calibration) -> tuple
     """Predicted MAT and decode tokens/s of a plan at the steps' context lengths."""
     buckets = plan["buckets"]
     bounds = [b["below"] for b in buckets[:-1]]
+    step = calibration.padded_seconds if plan.get("sources", {}).get("padded") else calibration.seconds
     tokens = seconds = 0.0
     for context, _, _ in steps:
         b = buckets[sum(context >= bound for bound in bounds)]
         rate = b.get("draft_rate", 1.0 if b["nodes"] else 0.0)
         tokens += b["expected_tokens"]
-        seconds += rate * calibration.seconds(b["nodes"] + 1, context) + (1 - rate) * calibration.seconds(1, context)
+        seconds += rate * step(b["nodes"] + 1, context) + (1 - rate) * calibration.seconds(1, context)
     return tokens / len(steps), tokens / seconds
 
 

@@ -11,12 +11,20 @@ forward: the baseline.
 Greedy verification makes the output identical to greedy decoding whatever the drafter proposes,
 up to floating-point: exact in float32; in half precision a batched forward can flip near-tie
 argmaxes, which the analysis stage reports rather than hides.
+
+A forward's time is not monotonic in its token count: a CPU's matrix kernels work in blocks, and on
+this project's machines 7 or 11 tokens cost more than 8 or 12 (the device calibration measures it).
+Given a :class:`Padding`, the engine feeds a block as the faster larger size, the extra rows being
+padding tokens that nothing attends to and whose outputs and KV entries are dropped; drafters never
+see them.
 """
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import time
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,6 +38,42 @@ from methods.tree import Draft, TreeShape, chain
 def cache_keyword(forward) -> str:
     """The name a transformers forward takes its KV cache under: ``cache`` (5.x), else ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+@dataclass(frozen=True)
+class Padding:
+    """The block size to feed ``q`` tokens as, per context bucket (from a device calibration).
+
+    ``sizes[j][q]`` serves contexts below ``bounds[j]`` (the last: the rest); a ``q`` past a table's end
+    is fed as it is.
+    """
+
+    bounds: tuple[int, ...]
+    sizes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.bounds) != len(self.sizes) - 1:
+            raise ValueError("a padding needs one bound between every two context buckets")
+        for table in self.sizes:
+            if any(to < q for q, to in enumerate(table)):
+                raise ValueError("padding can only add tokens to a block")
+
+    def size(self, q: int, context: int) -> int:
+        table = self.sizes[bisect.bisect_right(self.bounds, context)]
+        return table[q] if q < len(table) else q
+
+    def describe(self) -> dict:
+        """The sizes that are padded, per bucket: ``{"below": bound, "pad": {"q": size}}`` (JSON keys)."""
+        return {"buckets": [{"below": b, "pad": {str(q): to for q, to in enumerate(t) if to != q}}
+                            for t, b in zip(self.sizes, [*self.bounds, None])]}
+
+
+@lru_cache(maxsize=1024)
+def padded(shape: TreeShape, extra: int) -> TreeShape:
+    """``shape`` with ``extra`` padding tokens after it: extras that see only the prefix and themselves, at the
+    root's position, so no draft node or other extra attends to them."""
+    return TreeShape(parents=shape.parents, extra_depths=shape.extra_depths + (0,) * extra,
+                     extra_visible=shape.extra_visible + ((),) * extra)
 
 
 class PromptTooLong(ValueError):
@@ -62,10 +106,12 @@ class Engine:
     """Verifies draft trees against a Hugging Face causal LM (batch size 1, greedy)."""
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: set[int], max_length: int | None = None,
-                 time_forward: bool = False):
+                 time_forward: bool = False, padding: Padding | None = None):
         """``time_forward`` times every decode forward apart (on CUDA at the price of two syncs per step),
-        so that the engine's and the drafter's own time per step can be reported."""
+        so that the engine's and the drafter's own time per step can be reported. ``padding``: feed each
+        block as the size it names (never a single token: the baseline stays plain greedy decoding)."""
         self.model = model
+        self.padding = padding
         self.time_forward = time_forward
         self.forward_time = 0.0
         self.eos = frozenset(eos_token_ids)
@@ -84,6 +130,8 @@ class Engine:
         self.window = config.sliding_window if "sliding_attention" in layer_types else None
         self._mask = torch.zeros(0, 0, dtype=self.dtype, device=self.device)  # zero outside the live block
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._pad = torch.zeros(max((max(t) for t in padding.sizes), default=1) if padding else 0,
+                                dtype=torch.long, device=self.device)  # padding tokens' ids (any will do)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -130,7 +178,7 @@ class Engine:
             gen.output_ids += emitted
             gen.accept_lengths.append(len(emitted))
             gen.accept_paths.append(step.path_ranks[: len(emitted)])  # a budget cut may drop the bonus first
-            gen.block_sizes.append(step.shape.size)
+            gen.block_sizes.append(self.fed_size(step.shape.size, step.position))
             ids += emitted
             drafter.observe(step)
             if emitted[-1] in self.eos:
@@ -140,6 +188,10 @@ class Engine:
         gen.forward_time = self.forward_time if self.time_forward else None
         gen.drafter_stats = drafter.finish()
         return gen
+
+    def fed_size(self, size: int, position: int) -> int:
+        """The tokens a block of ``size`` is fed as at ``position`` (its padding's size, or itself)."""
+        return size if self.padding is None or size == 1 else self.padding.size(size, position)
 
     def _stop(self, emitted: list[int], room: int) -> list[int]:
         """Cut a step's tokens after the first EOS and at the token budget, exactly as the baseline."""
@@ -158,13 +210,18 @@ class Engine:
         self._root.fill_(root)
         block = self._root if draft is None else torch.cat([self._root, draft.tokens])  # [size]
         size, n1 = shape.size, shape.n_nodes
+        fed, fed_block = shape, block
+        extra = self.fed_size(size, position) - size
+        if extra:
+            fed, fed_block = padded(shape, extra), torch.cat([block, self._pad[:extra]])
+        fed_buf = fed.buffers(self.device, self.dtype)
         if self.time_forward:
             self.sync()
             start = time.perf_counter()
         out = self.model(
-            input_ids=block[None],
-            position_ids=(buf.depths + position)[None],
-            attention_mask=None if shape.is_chain else self._attention_mask(shape, buf.mask_block, position),
+            input_ids=fed_block[None],
+            position_ids=(fed_buf.depths + position)[None],
+            attention_mask=None if fed.is_chain else self._attention_mask(fed, fed_buf.mask_block, position),
             use_cache=True,
             output_hidden_states=list(hidden_layers) if hidden_layers else False,
             **{self.cache_kw: cache},
@@ -172,9 +229,9 @@ class Engine:
         if self.time_forward:
             self.sync()
             self.forward_time += time.perf_counter() - start
-        if not shape.is_chain:
-            self._mask[:size, position : position + size] = 0  # restore the all-zero invariant
-        logits = out.logits[0]  # [size, V]
+        if not fed.is_chain:
+            self._mask[: fed.size, position : position + fed.size] = 0  # restore the all-zero invariant
+        logits = out.logits[0, :size]  # [size, V]: padding rows dropped
         pred = logits.argmax(-1)  # [size]
 
         # A node is correct when its token is the argmax at its parent; it is accepted when it and all
@@ -197,15 +254,16 @@ class Engine:
             accepted=path,
             path_ranks=[shape.sibling_ranks[i] for i in shape.paths[best_i][1:]],
             emitted=picked[2 : 1 + length] + [picked[-1]],
-            hidden_states=self._hidden(out, hidden_layers),
+            hidden_states=self._hidden(out, hidden_layers, size),
         )
 
     @staticmethod
-    def _hidden(out: object, layers: Sequence[int]) -> torch.Tensor | None:
-        """The requested layers' hidden states of the one sequence, concatenated: [tokens, len(layers) x hidden]."""
+    def _hidden(out: object, layers: Sequence[int], size: int | None = None) -> torch.Tensor | None:
+        """The requested layers' hidden states of the one sequence (its first ``size`` tokens), concatenated:
+        [tokens, len(layers) x hidden]."""
         if not layers:
             return None
-        states = [out.hidden_states[i][0] for i in layers]
+        states = [out.hidden_states[i][0, :size] for i in layers]
         return states[0] if len(states) == 1 else torch.cat(states, -1)
 
     def _attention_mask(self, shape: TreeShape, block_mask: torch.Tensor, position: int) -> torch.Tensor | dict:

@@ -121,9 +121,34 @@ def test_calibration_fits_step_times_that_never_fall_with_the_context():
     cal = Calibration(key={}, contexts=(100, 300, 500), sizes=(1, 2, 3),
                       step_ms=((10.0, 20.0, 18.0), (18.0, 19.0, 19.0), (12.0, 22.0, 21.0)),
                       forward_ms=((9.0, 19.0, 17.0), (17.0, 18.0, 18.0), (11.0, 21.0, 20.0)), provenance={})
-    assert [list(row) for row in cal.fitted_ms] == [[10.0, 19.5, 18.0], [15.0, 19.5, 19.0], [15.0, 22.0, 21.0]]
-    assert cal.seconds(1, 300) == pytest.approx(0.015) and cal.seconds(2, 300) == pytest.approx(0.0195)
+    fitted = [t for row in cal.fitted_ms for t in row]  # a line over the three contexts for every q
+    assert fitted == pytest.approx([37 / 3, 58 / 3, 107 / 6, 40 / 3, 61 / 3, 116 / 6, 43 / 3, 64 / 3, 125 / 6])
+    assert cal.seconds(2, 300) / cal.seconds(1, 300) == pytest.approx(61 / 40)  # not 19 / 18
     assert cal.seconds(3, 100) < cal.seconds(2, 100)  # a q that fills the kernels' blocks may cost less
+
+
+def test_calibration_smooths_one_noisy_context_towards_its_neighbours():
+    contexts = (128, 256, 512, 768, 1024, 1536, 2048)
+    curve = [50 + 0.01 * c + 4e-6 * c * c for c in contexts]  # a step's time: about linear, a little convex
+    assert calibrate.smooth(contexts, curve) == pytest.approx(curve)
+    noisy = list(curve)
+    noisy[2] *= 1.15  # one slow point
+    fitted = calibrate.smooth(contexts, noisy)
+    assert abs(fitted[2] / curve[2] - 1) < 0.08
+    assert calibrate.smooth((128,), (5.0,)) == (5.0,) and calibrate.smooth((1, 3), (2, 4)) == pytest.approx((2, 4))
+
+
+def test_calibration_pads_a_block_to_a_larger_size_that_runs_faster():
+    # as measured on this CPU: 3 and 7 tokens cost more than 4 and 8; 5 is within PAD_GAIN of 6
+    cal = Calibration(key={}, contexts=(100, 400), sizes=(1, 2, 3, 4, 5, 6, 7, 8),
+                      step_ms=((50.0, 80.0, 100.0, 70.0, 75.0, 73.0, 100.0, 80.0),) * 2,
+                      forward_ms=((50.0,) * 8,) * 2, provenance={})
+    padding = cal.padding
+    assert padding.bounds == (200,)
+    assert [padding.size(q, 150) for q in range(1, 10)] == [1, 4, 4, 4, 5, 6, 8, 8, 9]
+    assert cal.padded_seconds(7, 300) == pytest.approx(0.080) and cal.seconds(7, 300) == pytest.approx(0.100)
+    assert cal.padded_seconds(1, 300) == pytest.approx(0.050)
+    assert padding.describe()["buckets"][0] == {"below": 200, "pad": {"2": 4, "3": 4, "7": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +201,19 @@ def test_tree_auto_without_statistics_names_the_command(tiny):
                    f"run.dir={tiny['root'] / 'never'}"))
 
 
+def test_padding_is_on_with_a_calibration_and_required_only_when_asked(tmp_path, tiny):
+    with pytest.raises(AutoTreeError, match="autotree.pad=true: .*python -m evaluation.calibrate"):
+        run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=pld", "autotree.pad=true",
+                   f"autotree.dir={tmp_path}", f"run.dir={tmp_path / 'never'}"))
+    with pytest.raises(AutoTreeError, match="autotree.pad must be auto, true or false"):
+        run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=pld", "autotree.pad=sometimes",
+                   f"run.dir={tmp_path / 'never'}"))
+    path = run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=pld", f"autotree.dir={tmp_path}",
+                      f"run.dir={tmp_path / 'results'}"))
+    meta = json.loads(path.with_name(path.name.replace(".jsonl", ".meta.json")).read_text())
+    assert meta["padding"]["enabled"] is False and "evaluation.calibrate" in meta["padding"]["why"]
+
+
 def test_without_a_calibration_tree_auto_names_the_command(tmp_path, tiny):
     with pytest.raises(AutoTreeError, match="python -m evaluation.calibrate model=hf"):
         run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=pld", "method.num_pred_tokens=auto",
@@ -205,6 +243,7 @@ def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, metho
     meta = json.loads(auto.with_name(auto.name.replace(".jsonl", ".meta.json")).read_text())
     planned = meta["drafter"]["plan"]
     assert planned["sources"]["acceptance"] == str(stats_path)
+    assert meta["padding"]["enabled"] and planned["sources"]["padded"]  # a calibration exists: blocks are padded
     assert {"nodes", "expected_tokens", "predicted_tokens_per_s", "context"} <= set(planned["buckets"][0])
 
     assert speedup.main([str(auto.parent), "--out", str(tiny["root"] / "tables"), "--calibration",

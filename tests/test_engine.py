@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import VOCAB, tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen3
 from methods.drafter import Drafter, Step
-from methods.engine import Engine, PromptTooLong
+from methods.engine import Engine, Padding, PromptTooLong
 from methods.tree import Draft, TreeShape
 
 MODELS = {"llama": tiny_llama(), "gemma3": tiny_gemma3(sliding_window=8),  # contexts below cross the window
@@ -99,6 +99,39 @@ def test_random_trees_are_lossless(name, prompt, seed, extras):
     gen = Engine(model, set()).generate(prompt, drafter, 24)
     assert gen.output_ids == reference
     assert sum(gen.accept_lengths) == 23 and min(gen.accept_lengths) >= 1
+
+
+def padding_by_context() -> Padding:
+    """Below context 10 every block of 2.. tokens is fed as a multiple of 4; above, 3 extra tokens each."""
+    near = tuple([0, 1] + [q + (-q) % 4 for q in range(2, 40)])
+    far = tuple([0, 1] + [q + 3 for q in range(2, 40)])
+    return Padding(bounds=(10,), sizes=(near, far))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@settings(max_examples=8, deadline=None)
+@given(prompt=prompts, seed=st.integers(0, 2**16), extras=st.booleans())
+def test_padded_blocks_are_lossless_and_invisible_to_the_drafter(name, prompt, seed, extras):
+    model = MODELS[name]
+    reference = greedy(model, prompt, 24)
+    plain, padded = (RandomTrees(reference, len(prompt), seed, extras=extras) for _ in range(2))
+    want = Engine(model, set()).generate(prompt, plain, 24)
+    padding = padding_by_context()
+    gen = Engine(model, set(), padding=padding).generate(prompt, padded, 24)
+    assert gen.output_ids == want.output_ids == reference
+    assert gen.accept_lengths == want.accept_lengths
+    for a, b, fed in zip(plain.steps, padded.steps, gen.block_sizes):
+        assert (b.shape.parents, b.shape.extra_depths) == (a.shape.parents, a.shape.extra_depths)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.accepted, b.accepted)
+        assert b.logits.shape == a.logits.shape
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
+        assert fed == (1 if a.shape.size == 1 else padding.size(a.shape.size, a.position)) >= a.shape.size
+
+
+def test_padding_refuses_to_shrink_a_block():
+    with pytest.raises(ValueError, match="only add tokens"):
+        Padding(bounds=(), sizes=((0, 1, 2, 2),))
+    assert Padding(bounds=(), sizes=((0, 1, 4, 4, 4),)).size(9, 100) == 9  # past the table: as it is
 
 
 @pytest.mark.parametrize("name", MODELS)
