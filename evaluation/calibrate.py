@@ -8,6 +8,9 @@ prefix of each context length; warm, median of repeats, CUDA-synchronised on a G
 share is timed apart, so the engine's time outside the model forward is recorded too. Timing does not
 depend on the weights' values, only on the shapes.
 
+The same file tells the engine how to pad blocks (:attr:`Calibration.padding`: a q whose larger
+neighbour runs faster is fed as that size) and ``tree=auto`` what a tree costs.
+
 The file is keyed by what speed depends on: device name, model, dtype, torch threads and torch
 version. It lives in ``autotree.dir`` (default ``results/calibration/``) with a plot of the step time
 over the single-token step time against q; rerunning with the same key reuses it unless
