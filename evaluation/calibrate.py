@@ -101,14 +101,12 @@ class Calibration:
         with the least fitted step time, when that is at least ``PAD_GAIN`` faster than ``q`` itself."""
         tables = []
         for context in self.contexts:
+            measured = [(self.seconds(s, context), s) for s in self.sizes]
             table = [0]
             for q in range(1, max(self.sizes) + 1):
-                own = best = self.seconds(q, context)
-                size = q
-                for s in self.sizes:
-                    if s > q and self.seconds(s, context) < best and self.seconds(s, context) <= own * (1 - PAD_GAIN):
-                        best, size = self.seconds(s, context), s
-                table.append(size)
+                limit = self.seconds(q, context) * (1 - PAD_GAIN)
+                faster = [(t, s) for t, s in measured if s > q and t <= limit]
+                table.append(min(faster)[1] if faster else q)  # the fastest; on a tie the smaller
             tables.append(tuple(table))
         bounds = tuple(math.isqrt(a * b) for a, b in zip(self.contexts, self.contexts[1:]))
         return Padding(bounds=bounds, sizes=tuple(tables))

@@ -24,8 +24,8 @@ from __future__ import annotations
 import bisect
 import inspect
 import time
-from functools import lru_cache
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import torch
