@@ -1,6 +1,6 @@
 """Per-step views of a benchmark: acceptance by depth and rank, and whether the cost model holds.
 
-Result files record, per decode step, the tokens verified (``block_sizes``) and the sibling ranks of
+Result files record, per decode step, the tokens fed to the forward (``block_sizes``, padding included) and the sibling ranks of
 the accepted draft nodes (``accept_paths``), and per turn the prompt length, so every step's context
 length is known. From these:
 
