@@ -102,8 +102,8 @@ class Calibration:
         tables = []
         for context in self.contexts:
             measured = [(self.seconds(s, context), s) for s in self.sizes]
-            table = [0]
-            for q in range(1, max(self.sizes) + 1):
+            table = [0, 1]  # a single token is never padded
+            for q in range(2, max(self.sizes) + 1):
                 limit = self.seconds(q, context) * (1 - PAD_GAIN)
                 faster = [(t, s) for t, s in measured if s > q and t <= limit]
                 table.append(min(faster)[1] if faster else q)  # the fastest; on a tie the smaller
@@ -113,7 +113,7 @@ class Calibration:
 
     def padded_seconds(self, q: int, context: int) -> float:
         """Predicted time of a step over ``q`` tokens fed as :attr:`padding` says."""
-        return self.seconds(1 if q == 1 else self.padding.size(q, context), context)
+        return self.seconds(self.padding.size(q, context), context)
 
     def to_json(self) -> dict:
         return {"key": self.key, "contexts": list(self.contexts), "sizes": list(self.sizes),

@@ -45,7 +45,7 @@ class Padding:
     """The block size to feed ``q`` tokens as, per context bucket (from a device calibration).
 
     ``sizes[j][q]`` serves contexts below ``bounds[j]`` (the last: the rest); a ``q`` past a table's end
-    is fed as it is.
+    is fed as it is. A single token is never padded, so the baseline stays plain greedy decoding.
     """
 
     bounds: tuple[int, ...]
@@ -57,6 +57,8 @@ class Padding:
         for table in self.sizes:
             if any(to < q for q, to in enumerate(table)):
                 raise ValueError("padding can only add tokens to a block")
+            if len(table) > 1 and table[1] != 1:
+                raise ValueError("a single token (the baseline's step) is never padded")
 
     def size(self, q: int, context: int) -> int:
         table = self.sizes[bisect.bisect_right(self.bounds, context)]
@@ -109,7 +111,7 @@ class Engine:
                  time_forward: bool = False, padding: Padding | None = None):
         """``time_forward`` times every decode forward apart (on CUDA at the price of two syncs per step),
         so that the engine's and the drafter's own time per step can be reported. ``padding``: feed each
-        block as the size it names (never a single token: the baseline stays plain greedy decoding)."""
+        block as the size it names."""
         self.model = model
         self.padding = padding
         self.time_forward = time_forward
@@ -130,7 +132,7 @@ class Engine:
         self.window = config.sliding_window if "sliding_attention" in layer_types else None
         self._mask = torch.zeros(0, 0, dtype=self.dtype, device=self.device)  # zero outside the live block
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._pad = torch.zeros(max((max(t) for t in padding.sizes), default=1) if padding else 0,
+        self._pad = torch.zeros(max(map(max, padding.sizes)) if padding else 0,
                                 dtype=torch.long, device=self.device)  # padding tokens' ids (any will do)
 
     def sync(self) -> None:
@@ -191,7 +193,7 @@ class Engine:
 
     def fed_size(self, size: int, position: int) -> int:
         """The tokens a block of ``size`` is fed as at ``position`` (its padding's size, or itself)."""
-        return size if self.padding is None or size == 1 else self.padding.size(size, position)
+        return size if self.padding is None else self.padding.size(size, position)
 
     def _stop(self, emitted: list[int], room: int) -> list[int]:
         """Cut a step's tokens after the first EOS and at the token budget, exactly as the baseline."""

@@ -125,12 +125,14 @@ def test_padded_blocks_are_lossless_and_invisible_to_the_drafter(name, prompt, s
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.accepted, b.accepted)
         assert b.logits.shape == a.logits.shape
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
-        assert fed == (1 if a.shape.size == 1 else padding.size(a.shape.size, a.position)) >= a.shape.size
+        assert fed == padding.size(a.shape.size, a.position) >= a.shape.size
 
 
 def test_padding_refuses_to_shrink_a_block():
     with pytest.raises(ValueError, match="only add tokens"):
         Padding(bounds=(), sizes=((0, 1, 2, 2),))
+    with pytest.raises(ValueError, match="single token"):
+        Padding(bounds=(), sizes=((0, 4, 4),))
     assert Padding(bounds=(), sizes=((0, 1, 4, 4, 4),)).size(9, 100) == 9  # past the table: as it is
 
 
