@@ -58,10 +58,12 @@ train-eagle: $(STAMP) data
 	$(PY) -m methods.eagle.train model=$(MODEL) $(ARGS)
 
 # Device calibration (reused when one exists for this machine, model, dtype and threads) and, for every
-# tree=auto method, its acceptance statistics on CALIB_DATA.
+# tree=auto method, its drafting time where its drafter has forwards of its own (EAGLE; otherwise nothing more
+# is measured) and its acceptance statistics on CALIB_DATA.
 calibrate: $(STAMP) $(if $(findstring spec_bench ,$(CALIB_DATA) ),data)
 	$(PY) -m evaluation.calibrate model=$(MODEL) $(ARGS)
 	@set -e; for m in $(AUTO_METHODS); do \
+		$(PY) -m evaluation.calibrate model=$(MODEL) method=$$m $(ARGS); \
 		$(PY) -m evaluation.acceptance model=$(MODEL) method=$$m max_new_tokens=$(TOKENS) $(ARGS) data=$(CALIB_DATA); \
 	done
 

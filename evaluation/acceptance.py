@@ -4,9 +4,10 @@
 
 Runs the method through ``evaluation.run`` on a calibration question set (durable and resumable like
 every run, under ``<autotree.dir>/runs``) and counts, for every node of its wide candidate tree
-(``Drafter.candidate_tree``: Token Recycling's ``conf/trees/wide.yaml``, 142 nodes; PLD's chain of 16),
-by rank path, the share of drafting steps in which it was, or would have been, accepted. PLD verifies
-the candidate chain itself: what it drafts depends only on the context, which greedy decoding fixes.
+(``Drafter.candidate_tree``: Token Recycling's and EAGLE's ``conf/trees/wide.yaml``, 142 nodes; PLD's chain
+of 16), by rank path, the share of drafting steps in which it was, or would have been, accepted. PLD and
+EAGLE verify the candidate tree itself: what they draft depends only on the context, which greedy
+decoding fixes.
 Token Recycling's matrix learns from the positions it verifies, so a 142-node run would overstate
 what a small tree accepts: it verifies ``method.tree`` (``auto``: the plan made from earlier
 statistics, so a second pass converges on the tree it measures) and scores the candidate tree in its
@@ -49,7 +50,8 @@ def tunable(method: DictConfig) -> tuple[type, str]:
     cls = drafter_class(method)
     if not cls.tree_param:
         raise AcceptanceError(f"method {method.name!r} has no tree to choose (its drafter {cls.__name__} sets no "
-                              "tree_param); auto trees exist for recycling (method.tree) and pld (method.num_pred_tokens)")
+                              "tree_param); auto trees exist for recycling and eagle (method.tree) and pld "
+                              "(method.num_pred_tokens)")
     if cls.tree_owner:
         raise AcceptanceError(f"method {method.name!r} drafts its method.{cls.tree_param} with {cls.tree_owner}: "
                               f"its statistics are {cls.tree_owner}'s (acceptance.statistics_method)")

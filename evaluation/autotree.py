@@ -83,6 +83,24 @@ def _statistics(cfg: DictConfig, method: DictConfig, dtype: str,
     return stats, path
 
 
+def _drafting(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[calibrate.DraftingCalibration, Path]:
+    key = calibrate.machine_key(cfg.model.name, device, dtype)
+    settings = acceptance.method_key(cfg.method)
+    path = calibrate.drafting_file_for(resolve_path(cfg.autotree.dir), key, cfg.method.name, settings)
+    make = _command("calibrate", cfg, f" method={cfg.method.name}")
+    if not path.is_file():
+        raise AutoTreeError(f"tree=auto for {cfg.method.name} weighs its drafter's own time per draft, and no {path} "
+                            f"exists; measure it (under a minute, after the calibration) with: {make}")
+    drafting = calibrate.DraftingCalibration.load(path)
+    diff = calibrate.key_diff(key, drafting.key)
+    if drafting.method != settings:  # the file name holds a digest of the settings; a renamed file could lie
+        diff.append(f"method settings ({settings} vs {drafting.method})")
+    if diff:
+        raise AutoTreeError(f"refusing drafting calibration {path}: made for another setup, differing in "
+                            f"{'; '.join(diff)}; measure this one with: {make}")
+    return drafting, path
+
+
 def padding(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[Padding | None, dict]:
     """``autotree.pad``: the engine's block padding from this machine's calibration, and what the run header
     records of it. ``auto`` pads when the calibration exists, ``true`` requires it, ``false`` never pads."""
@@ -110,7 +128,11 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
     calibration, calibration_path = _calibration(cfg, device, dtype)
     stats, stats_path = _statistics(cfg, acceptance.statistics_method(cfg.method), str(dtype).removeprefix("torch."),
                                     questions)
+    sources = {"calibration": str(calibration_path), "acceptance": str(stats_path), "padded": padded}
+    draft = None
+    if acceptance.drafter_class(cfg.method).drafting_cost:
+        drafting, drafting_path = _drafting(cfg, device, dtype)
+        draft, sources["drafting"] = drafting.cost, str(drafting_path)
     plan = tree_search.plan(stats.stats, calibration.padded_seconds if padded else calibration.seconds,
-                            calibration.contexts, sources={"calibration": str(calibration_path),
-                                                           "acceptance": str(stats_path), "padded": padded})
+                            calibration.contexts, sources=sources, draft=draft)
     return {param: plan}

@@ -11,6 +11,12 @@ depend on the weights' values, only on the shapes.
 The same file tells the engine how to pad blocks (:attr:`Calibration.padding`: a q whose larger
 neighbour runs faster is fed as that size) and ``tree=auto`` what a tree costs.
 
+For a method whose drafter runs forwards of its own (``Drafter.drafting_cost``: EAGLE's head, one per
+depth), ``method=<name>`` also measures the drafter's time per draft over trees of every depth, narrow
+and wide, and fits :class:`~methods.tree_search.DraftCost` to it (:class:`DraftingCalibration`, its own
+file beside the calibration, keyed by the machine and the method's settings): ``tree=auto`` adds it to
+the step time of every tree it weighs.
+
 The file is keyed by what speed depends on: device name, model, dtype, torch threads and torch
 version. It lives in ``autotree.dir`` (default ``results/calibration/``) with a plot of the step time
 over the single-token step time against q; rerunning with the same key reuses it unless
@@ -19,6 +25,7 @@ over the single-token step time against q; rerunning with the same key reuses it
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -28,7 +35,7 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import hydra
 import numpy as np
@@ -38,8 +45,10 @@ from transformers import DynamicCache
 
 from evaluation import models
 from evaluation.data import resolve_path
+from methods.drafter import Drafter, Step
 from methods.engine import Engine, Padding
 from methods.tree import Draft, from_rank_paths, load_template
+from methods.tree_search import DraftCost
 
 KEY_FIELDS = ("device_name", "model", "dtype", "threads", "torch")
 PAD_GAIN = 0.05  # a block is padded only to a size at least this much faster (smaller gains are within the noise)
@@ -208,6 +217,113 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
     return step_ms, forward_ms
 
 
+@dataclass(frozen=True)
+class DraftingCalibration:
+    """A drafter's own time per draft on this machine: measured trees and the fitted cost per context."""
+
+    key: dict  # the machine's (as a Calibration's)
+    method: dict  # the method's settings but its tree (evaluation.acceptance.method_key)
+    contexts: tuple[int, ...]
+    trees: tuple[tuple[int, int], ...]  # (depth, inner nodes) of every tree measured
+    draft_ms: tuple[tuple[float, ...], ...]  # [context][tree], median per draft (propose + observe)
+    provenance: dict
+
+    @cached_property
+    def fitted(self) -> tuple[DraftCost, ...]:
+        """Per context, the least-squares :class:`DraftCost` (seconds), its terms kept non-negative."""
+        x = np.array([[1.0, d - 1, inner] for d, inner in self.trees])
+        fits = []
+        for row in self.draft_ms:
+            coef, *_ = np.linalg.lstsq(x, np.asarray(row) / 1000, rcond=None)
+            fits.append(DraftCost(*(max(float(c), 0.0) for c in coef)))
+        return tuple(fits)
+
+    def cost(self, context: int) -> DraftCost:
+        """The fitted cost at a context length: each term linear between (and past) the measured contexts."""
+        terms = zip(*((f.base, f.per_level, f.per_node) for f in self.fitted))
+        return DraftCost(*(max(_interp(context, self.contexts, t), 0.0) for t in terms))
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "method": self.method, "contexts": list(self.contexts),
+                "trees": [list(t) for t in self.trees], "draft_ms": [list(r) for r in self.draft_ms],
+                "fitted_ms": [{"base": 1000 * f.base, "per_level": 1000 * f.per_level, "per_node": 1000 * f.per_node}
+                              for f in self.fitted], "provenance": self.provenance}
+
+    @classmethod
+    def load(cls, path: Path) -> DraftingCalibration:
+        try:
+            raw = json.loads(path.read_text())
+            return cls(key=raw["key"], method=raw["method"], contexts=tuple(raw["contexts"]),
+                       trees=tuple(map(tuple, raw["trees"])), draft_ms=tuple(map(tuple, raw["draft_ms"])),
+                       provenance=raw.get("provenance", {}))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CalibrationError(f"{path}: not a readable drafting calibration ({err}); delete it and rerun "
+                                   "python -m evaluation.calibrate method=...") from err
+
+
+def drafting_file_for(directory: Path, key: dict, method_name: str, method: dict) -> Path:
+    digest = hashlib.sha1(json.dumps(method, sort_keys=True).encode()).hexdigest()[:8]
+    return file_for(directory, key).with_name(
+        file_for(directory, key).name.replace("calibration-", f"drafting-{method_name}-{digest}-"))
+
+
+class _Timed:
+    """A drafter whose ``propose`` + ``observe`` per step are timed, synchronised; the rest passes through."""
+
+    def __init__(self, drafter: Drafter, engine: Engine):
+        self._drafter, self._engine = drafter, engine
+        self.ms: list[float] = []
+        self._proposing = 0.0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._drafter, name)
+
+    def propose(self, ids: list[int]) -> Draft | None:
+        self._engine.sync()
+        start = time.perf_counter()
+        draft = self._drafter.propose(ids)
+        self._engine.sync()
+        self._proposing = time.perf_counter() - start
+        return draft
+
+    def observe(self, step: Step) -> None:
+        start = time.perf_counter()
+        self._drafter.observe(step)
+        self._engine.sync()
+        self.ms.append(1000 * (self._proposing + time.perf_counter() - start))
+
+
+def drafting_trees(candidate: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+    """The trees a drafting calibration times: per depth the rank-0 chain (fewest nodes to feed) and the
+    candidate tree cut at that depth (most nodes), so that the fit separates depth from width."""
+    trees = []
+    for d in range(1, max(map(len, candidate)) + 1):
+        trees.append([[0] * k for k in range(1, d + 1)])
+        if d > 1:
+            trees.append([list(p) for p in candidate if len(p) <= d])
+    return trees
+
+
+def measure_drafting(engine: Engine, build: Callable[[list[list[int]]], Drafter], vocab: int,
+                     trees: Sequence[list[list[int]]], contexts: Sequence[int],
+                     steps: int) -> list[list[float]]:
+    """Median time (ms) of a drafter's ``propose`` + ``observe`` per step, for every (context, tree): real
+    generations from a random prefix (EOS ignored), the first step (which catches up on the prompt) left out."""
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for context in contexts:
+        prompt = torch.randint(vocab, (context,), generator=gen).tolist()
+        row = []
+        for paths in trees:
+            timed = _Timed(build(paths), engine)
+            engine.generate(prompt, timed, 2 * steps + 2)  # a step emits at least one token
+            row.append(statistics.median(timed.ms[1 : steps + 1] or timed.ms))
+        print(f"calibrate: drafting at context {context}: " + ", ".join(f"{t:.1f}" for t in row) + " ms",
+              file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
 def plot(calibration: Calibration, path: Path) -> None:
     """Step time over the single-token step time against q, one line per context length."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -229,17 +345,49 @@ def plot(calibration: Calibration, path: Path) -> None:
 
 
 def calibrate(cfg: DictConfig) -> Path:
-    """Measure (or reuse) the calibration for ``cfg``'s model, device, dtype and threads; returns its file."""
+    """Measure (or reuse) the calibration for ``cfg``'s model, device, dtype and threads, and for a method
+    whose drafter has a drafting cost, its drafting calibration; returns the calibration's file."""
+    from evaluation import acceptance  # imports the harness's run loop, which imports this module
+
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     device = models.resolve_device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
     key = machine_key(cfg.model.name, device, dtype)
-    path = file_for(resolve_path(cfg.autotree.dir), key)
-    if path.is_file() and not cfg.calibration.redo:
-        print(f"calibrate: reusing {path} (calibration.redo=true measures anew)", file=sys.stderr)
+    directory = resolve_path(cfg.autotree.dir)
+    path = file_for(directory, key)
+    drafting = None
+    if acceptance.drafter_class(cfg.method).drafting_cost:
+        drafting = drafting_file_for(directory, key, cfg.method.name, acceptance.method_key(cfg.method))
+    steps = cfg.calibration.redo or not path.is_file()
+    drafter = drafting is not None and (cfg.calibration.redo or not drafting.is_file())
+    for done in [p for p, todo in ((path, steps), (drafting, drafter)) if p is not None and not todo]:
+        print(f"calibrate: reusing {done} (calibration.redo=true measures anew)", file=sys.stderr)
+    if not (steps or drafter):
         return path
     loaded = models.load(cfg.model, device, dtype)
+    if steps:
+        _calibrate_steps(cfg, loaded, key, path)
+    if drafter:
+        _calibrate_drafting(cfg, loaded, key, drafting)
+    return path
+
+
+def _write(path: Path, body: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    tmp.replace(path)
+
+
+def _provenance(device: torch.device, started: float, **facts: object) -> dict:
+    from evaluation.run import environment  # the run header's provenance, for the same machine facts
+
+    return {**environment(device), **facts, "seconds": round(time.time() - started, 1),
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _calibrate_steps(cfg: DictConfig, loaded: models.LoadedModel, key: dict, path: Path) -> None:
     engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=True)
     limit = engine.max_length or max(cfg.calibration.contexts) + max(cfg.calibration.sizes)
     contexts = sorted(c for c in cfg.calibration.contexts if c + max(cfg.calibration.sizes) <= limit)
@@ -250,22 +398,49 @@ def calibrate(cfg: DictConfig) -> Path:
     print(f"calibrate: {key} -> {path}", file=sys.stderr)
     started = time.time()
     step_ms, forward_ms = measure(engine, len(loaded.tokenizer), sizes, contexts, cfg.calibration.repeats)
-    from evaluation.run import environment  # the run header's provenance, for the same machine facts
-
     calibration = Calibration(key=key, contexts=tuple(contexts), sizes=tuple(sizes),
                               step_ms=tuple(map(tuple, step_ms)), forward_ms=tuple(map(tuple, forward_ms)),
-                              provenance={**environment(device), "repeats": cfg.calibration.repeats,
-                                          "seconds": round(time.time() - started, 1),
-                                          "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(calibration.to_json(), indent=1))
-    tmp.replace(path)
+                              provenance=_provenance(engine.device, started, repeats=cfg.calibration.repeats))
+    _write(path, calibration.to_json())
     plot(calibration, path.with_suffix(".png"))
     outside = [1 - f / s for fs, ss in zip(forward_ms, step_ms) for f, s in zip(fs, ss)]
     print(f"calibrate: engine time outside the forward: {100 * min(outside):.1f}-{100 * max(outside):.1f}% of a "
           f"step; wrote {path} and {path.with_suffix('.png').name}", file=sys.stderr)
-    return path
+
+
+def _calibrate_drafting(cfg: DictConfig, loaded: models.LoadedModel, key: dict, path: Path) -> None:
+    from evaluation import acceptance
+    from evaluation.run import build_drafter
+
+    cls = acceptance.drafter_class(cfg.method)
+    vocab = loaded.model.get_output_embeddings().weight.shape[0]
+    engine = Engine(loaded.model, set(), time_forward=False)  # no EOS: every generation runs its steps
+    trees = drafting_trees(load_template(cls.candidate_tree))
+    depth = max(map(len, trees[-1]))
+    room = 2 * cfg.calibration.drafting_steps + 2 + depth + 1  # the tokens generated after the prefix, and a tree
+    limit = engine.max_length or max(cfg.calibration.drafting_contexts) + room
+    contexts = sorted(c for c in cfg.calibration.drafting_contexts if c + room <= limit)
+    if not contexts:
+        raise CalibrationError(f"every calibration.drafting_contexts entry leaves no room for {room} more tokens "
+                               f"within the model's {limit} positions; list shorter contexts")
+    print(f"calibrate: drafting of {cfg.method.label}, {len(trees)} trees up to depth {depth} -> {path}", file=sys.stderr)
+    started = time.time()
+    draft_ms = measure_drafting(engine, lambda paths: build_drafter(cfg.method, vocab, engine.device,
+                                                                    **{cls.tree_param: paths}),
+                                len(loaded.tokenizer), trees, contexts, cfg.calibration.drafting_steps)
+    shapes = []
+    for paths in trees:
+        shape, _ = from_rank_paths(paths)
+        shapes.append((max(shape.depth_list), len({p for p in shape.parents if p > 0})))
+    result = DraftingCalibration(key=key, method=acceptance.method_key(cfg.method),
+                                 contexts=tuple(contexts), trees=tuple(shapes),
+                                 draft_ms=tuple(map(tuple, draft_ms)),
+                                 provenance=_provenance(engine.device, started, label=cfg.method.label,
+                                                        steps=cfg.calibration.drafting_steps))
+    _write(path, result.to_json())
+    fits = ", ".join(f"context {c}: {1000 * f.base:.1f} + {1000 * f.per_level:.1f}/depth + {1000 * f.per_node:.2f}/node ms"
+                     for c, f in zip(result.contexts, result.fitted))
+    print(f"calibrate: drafting cost {fits}; wrote {path}", file=sys.stderr)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="calibrate")

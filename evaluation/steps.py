@@ -106,7 +106,8 @@ def _plan_prediction(plan: dict, steps: list, calibration: Calibration) -> tuple
         b = buckets[sum(context >= bound for bound in bounds)]
         rate = b.get("draft_rate", 1.0 if b["nodes"] else 0.0)
         tokens += b["expected_tokens"]
-        seconds += rate * step(b["nodes"] + 1, context) + (1 - rate) * calibration.seconds(1, context)
+        drafting = b.get("draft_ms", 0.0) / 1000  # the drafter's own time, where the plan weighed it
+        seconds += rate * (step(b["nodes"] + 1, context) + drafting) + (1 - rate) * calibration.seconds(1, context)
     return tokens / len(steps), tokens / seconds
 
 

@@ -65,6 +65,9 @@ class Drafter:
     #: (:class:`~methods.tree_search.ShadowTree`), for drafters whose state learns from what is verified;
     #: None: statistics come from verifying the candidate tree itself
     shadow_param: str | None = None
+    #: the drafter runs forwards of its own per draft (EAGLE's head, one per depth), too costly to leave out of
+    #: a tree's step time: ``tree=auto`` adds it, as ``evaluation.calibrate method=<name>`` measured it
+    drafting_cost: bool = False
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size  # the model's logit width (may exceed len(tokenizer))

@@ -11,7 +11,9 @@ measuring every node.
 
 The size is the one that maximises expected tokens per step / step time, with the step time read off
 the device calibration at the context length. The time of a tree's forward grows with the context
-(its queries attend to the whole prefix), so a plan holds one tree per context bucket.
+(its queries attend to the whole prefix), so a plan holds one tree per context bucket. A drafter that
+runs a forward of its own per depth (EAGLE's head) adds its drafting time (:class:`DraftCost`) to the
+step: then the tree is the ``n`` most-accepted nodes no deeper than ``D``, for the best ``n`` and ``D``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,24 @@ class NodeStats:
 
 
 @dataclass(frozen=True)
+class DraftCost:
+    """A drafter's own seconds per draft, by the tree's shape (measured by ``evaluation.calibrate``).
+
+    ``base + per_level * (depth - 1) + per_node * inner``, ``inner`` counting the draft nodes with
+    children: a drafter that grows its tree with one forward per depth (EAGLE's head) pays a fixed cost
+    (catching up with the accepted tokens, the first depth's predictions), a forward per further depth,
+    and per node fed to those forwards (its output projection).
+    """
+
+    base: float
+    per_level: float
+    per_node: float
+
+    def seconds(self, depth: int, inner: int) -> float:
+        return 0.0 if depth == 0 else self.base + self.per_level * (depth - 1) + self.per_node * inner
+
+
+@dataclass(frozen=True)
 class Choice:
     """The tree chosen for one context bucket, with what the cost model predicts for it."""
 
@@ -52,6 +72,7 @@ class Choice:
     step_ms: float  # predicted time of one step
     tokens_per_s: float  # predicted decode tokens/s
     baseline_tokens_per_s: float  # predicted for greedy decoding (no draft) at the same context
+    draft_ms: float = 0.0  # the drafter's own predicted time per drafting step (in step_ms; 0: not modelled)
 
     @property
     def n_nodes(self) -> int:
@@ -63,6 +84,7 @@ class Choice:
             "context": self.context, "nodes": self.n_nodes, "depth": depth, "draft_rate": round(self.draft_rate, 4),
             "widths": [sum(len(p) == d for p in self.paths) for d in range(1, depth + 1)],
             "expected_tokens": round(self.expected_tokens, 4), "step_ms": round(self.step_ms, 3),
+            **({"draft_ms": round(self.draft_ms, 3)} if self.draft_ms else {}),
             "predicted_tokens_per_s": round(self.tokens_per_s, 3),
             "predicted_speedup": round(self.tokens_per_s / self.baseline_tokens_per_s, 4),
         }
@@ -94,33 +116,49 @@ class TreePlan:
 
 
 def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes: int | None = None,
-              context: int = 0) -> Choice:
-    """The tree maximising expected tokens per second, given the time of a step that verifies ``q`` tokens.
+              context: int = 0, draft: DraftCost | None = None) -> Choice:
+    """The tree maximising expected tokens per second, given the time of a step that verifies ``q`` tokens
+    and, when ``draft`` is given, the drafter's own time for the tree.
 
-    Steps that do not draft (``1 - draft_rate`` of them) verify the root alone.
+    Steps that do not draft (``1 - draft_rate`` of them) verify the root alone. With a drafting cost that
+    grows with depth, every depth limit ``D`` is tried: the ``n`` most-accepted nodes no deeper than ``D``
+    still form a tree (a parent is shallower and at least as likely).
     """
     ranked = stats.ranked()[:max_nodes]
     rate = stats.draft_rate
     base = step_seconds(1)
-    best: tuple[float, int, float, float] | None = None
-    gain = 0.0
-    for n in range(len(ranked) + 1):
-        if n:
-            gain += ranked[n - 1][1]
-        tokens = 1 + rate * gain
-        seconds = rate * step_seconds(n + 1) + (1 - rate) * base if n else base
-        speed = tokens / seconds
-        if best is None or speed > best[0] + 1e-12:
-            best = (speed, n, tokens, seconds)
-    speed, n, tokens, seconds = best
-    paths = tuple(sorted((p for p, _ in ranked[:n]), key=lambda p: (len(p), p)))
+    limits = sorted({len(p) for p, _ in ranked}) if draft is not None else [None]
+    best: tuple[float, int, int | None, float, float, float] | None = None
+    for limit in limits:
+        nodes = [(p, q) for p, q in ranked if limit is None or len(p) <= limit]
+        gain, depth, inner, parents = 0.0, 0, 0, set()
+        for n in range(len(nodes) + 1):
+            drafting = 0.0
+            if n:
+                path, p = nodes[n - 1]
+                gain += p
+                depth = max(depth, len(path))
+                if len(path) > 1 and path[:-1] not in parents:
+                    parents.add(path[:-1])
+                    inner += 1
+                drafting = draft.seconds(depth, inner) if draft is not None else 0.0
+            tokens = 1 + rate * gain
+            seconds = rate * (step_seconds(n + 1) + drafting) + (1 - rate) * base if n else base
+            speed = tokens / seconds
+            if best is None or speed > best[0] + 1e-12:
+                best = (speed, n, limit, tokens, seconds, drafting)
+    speed, n, limit, tokens, seconds, drafting = best
+    chosen = [p for p, _ in ranked if limit is None or len(p) <= limit][:n]
+    paths = tuple(sorted(chosen, key=lambda p: (len(p), p)))
     return Choice(paths=paths, context=context, draft_rate=rate if n else 0.0, expected_tokens=tokens, step_ms=1000 * seconds,
-                  tokens_per_s=speed, baseline_tokens_per_s=1 / base)
+                  tokens_per_s=speed, baseline_tokens_per_s=1 / base, draft_ms=1000 * drafting)
 
 
 def plan(stats: NodeStats, step_seconds: Callable[[int, int], float], contexts: Sequence[int],
-         max_nodes: int | None = None, sources: dict | None = None) -> TreePlan:
+         max_nodes: int | None = None, sources: dict | None = None,
+         draft: Callable[[int], DraftCost] | None = None) -> TreePlan:
     """A tree per calibrated context; a bucket ends halfway (geometrically) to the next context.
+    ``draft``: the drafter's own cost at a context length, for drafters that have one worth modelling.
 
     Adjacent buckets that chose the same tree are merged, so a plan whose choice does not depend on
     the context holds a single tree.
@@ -128,7 +166,8 @@ def plan(stats: NodeStats, step_seconds: Callable[[int, int], float], contexts: 
     contexts = sorted(set(contexts))
     if not contexts:
         raise ValueError("a tree plan needs at least one calibrated context length")
-    choices = [best_tree(stats, lambda q, c=c: step_seconds(q, c), max_nodes, c) for c in contexts]
+    choices = [best_tree(stats, lambda q, c=c: step_seconds(q, c), max_nodes, c, draft(c) if draft else None)
+               for c in contexts]
     bounds = [math.isqrt(a * b) for a, b in zip(contexts, contexts[1:])]
     merged, kept = [choices[0]], []
     for choice, bound in zip(choices[1:], bounds):

@@ -20,7 +20,7 @@ from methods.engine import Engine
 from methods.pld import PromptLookup
 from methods.recycling import TokenRecycling
 from methods.tree import from_rank_paths, load_template
-from methods.tree_search import NodeStats, best_tree, plan
+from methods.tree_search import DraftCost, NodeStats, best_tree, plan
 
 from conftest import VOCAB
 
@@ -61,6 +61,38 @@ def test_steps_without_a_draft_cost_a_single_token_step():
     assert choice.n_nodes == 2 and choice.draft_rate == 0.5
     assert choice.expected_tokens == pytest.approx(1 + 0.5 * 1.4)
     assert choice.step_ms == pytest.approx(1000 * (0.5 * 1.2 + 0.5 * 1.0))
+
+
+def test_a_drafting_cost_per_depth_is_weighed_over_every_depth_limit():
+    stats = NodeStats(PROBS)
+    cost = linear(0.05)
+    assert best_tree(stats, cost, draft=DraftCost(0.0, 0.0, 0.0)).paths == best_tree(stats, cost).paths
+    draft = DraftCost(base=0.02, per_level=0.3, per_node=0.01)
+    choice = best_tree(stats, cost, draft=draft)
+    family = []  # every tree the search weighs: the n most-accepted nodes no deeper than each limit
+    for limit in (1, 2, 3):
+        ranked = [p for p, _ in stats.ranked() if len(p) <= limit]
+        family += [ranked[:n] for n in range(1, len(ranked) + 1)]
+
+    def speed(tree):
+        depth, inner = max(map(len, tree)), len({p[:-1] for p in tree if len(p) > 1})
+        return (1 + sum(PROBS[p] for p in tree)) / (cost(len(tree) + 1) + draft.seconds(depth, inner))
+
+    best = max(family, key=speed)
+    assert set(choice.paths) == set(best) and choice.tokens_per_s == pytest.approx(speed(best))
+    assert max(map(len, choice.paths)) == 1 < max(map(len, best_tree(stats, cost).paths))  # a forward per depth: shallow
+    assert choice.draft_ms == pytest.approx(1000 * draft.seconds(1, 0))
+
+
+def test_drafting_calibration_fits_its_cost_and_interpolates_it_over_the_context():
+    truth = {128: DraftCost(0.004, 0.002, 0.0001), 1024: DraftCost(0.006, 0.003, 0.0001)}
+    trees = tuple((d, i) for d, i in [(1, 0), (2, 1), (2, 8), (4, 3), (4, 60), (8, 7), (8, 120)])
+    cal = calibrate.DraftingCalibration(key={}, method={}, contexts=(128, 1024), trees=trees, provenance={},
+                                        draft_ms=tuple(tuple(1000 * truth[c].seconds(*t) for t in trees) for c in truth))
+    for context, cost in truth.items():
+        fitted = cal.cost(context)
+        assert (fitted.base, fitted.per_level, fitted.per_node) == pytest.approx((cost.base, cost.per_level, cost.per_node))
+    assert cal.cost(576).base == pytest.approx(0.005) and cal.cost(1920).base == pytest.approx(0.008)
 
 
 def test_plan_shrinks_the_tree_as_the_context_makes_it_dearer_and_merges_equal_buckets():
@@ -220,29 +252,41 @@ def test_without_a_calibration_tree_auto_names_the_command(tmp_path, tiny):
                    f"autotree.dir={tmp_path}", f"run.dir={tmp_path / 'never'}"))
 
 
-@pytest.mark.parametrize("method, param", [("recycling", "tree"), ("pld", "num_pred_tokens")])
-def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, method, param, capsys):
+@pytest.mark.parametrize("method, param, candidate", [
+    (["method=recycling"], "tree", "wide"), (["method=pld"], "num_pred_tokens", 16),
+    (["method=eagle", "method.head=random"], "tree", "wide"),  # a drafter with forwards of its own
+], ids=["recycling", "pld", "eagle"])
+def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, method, param, candidate, capsys):
     cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
     calibrate.calibrate(config(*tiny["common"], *cal_cfg, name="calibrate"))
-    stats_path = collect(config(*tiny["common"], f"data.path={tiny['calib']}", f"method={method}"))
+    stats_path = collect(config(*tiny["common"], f"data.path={tiny['calib']}", *method))
     stats = json.loads(stats_path.read_text())
-    assert stats["candidate"] == {param: {"recycling": "wide", "pld": 16}[method]}
+    assert stats["candidate"] == {param: candidate}
     assert stats["steps"] > 0 and all(0 < n["p"] <= 1 for n in stats["nodes"])
 
     # statistics collected on the evaluated questions are refused, unless allowed
     with pytest.raises(AutoTreeError, match="collected on 4 of the questions evaluated"):
-        run(config(*tiny["common"], f"data.path={tiny['calib']}", f"method={method}", f"method.{param}=auto",
+        run(config(*tiny["common"], f"data.path={tiny['calib']}", *method, f"method.{param}=auto",
                    f"run.dir={tiny['root'] / 'never'}"))
 
     out = tiny["root"] / "results"
+    drafting_cost = acceptance.drafter_class(config(*method).method).drafting_cost
+    if drafting_cost:  # its drafting time per tree shape is measured too, or tree=auto says how to measure it
+        with pytest.raises(AutoTreeError, match=r"python -m evaluation\.calibrate model=hf .* method=eagle"):
+            run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"method.{param}=auto",
+                       f"run.dir={tiny['root'] / 'never'}"))
+        calibrate.calibrate(config(*tiny["common"], *cal_cfg, *method, "calibration.drafting_contexts=[16,64]",
+                                   "calibration.drafting_steps=2", name="calibrate"))
     base = run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=baseline", f"run.dir={out}"))
-    auto = run(config(*tiny["common"], f"data.path={tiny['eval']}", f"method={method}", f"method.{param}=auto",
+    auto = run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"method.{param}=auto",
                       f"run.dir={out}"))
     ids = [[r["choices"][0]["output_ids"] for r in map(json.loads, p.read_text().splitlines())] for p in (base, auto)]
     assert ids[0] == ids[1]
     meta = json.loads(auto.with_name(auto.name.replace(".jsonl", ".meta.json")).read_text())
     planned = meta["drafter"]["plan"]
     assert planned["sources"]["acceptance"] == str(stats_path)
+    assert ("drafting" in planned["sources"]) == drafting_cost
+    assert all(("draft_ms" in b) == drafting_cost for b in planned["buckets"] if b["nodes"])
     assert meta["padding"]["enabled"] and planned["sources"]["padded"]  # a calibration exists: blocks are padded
     assert {"nodes", "expected_tokens", "predicted_tokens_per_s", "context"} <= set(planned["buckets"][0])
 

@@ -17,6 +17,8 @@ from helpers import config
 from methods.drafter import Drafter, Step
 from methods.eagle import Eagle, EagleHead, HeadError, load_head
 from methods.engine import Engine
+from methods.tree import load_template
+from methods.tree_search import TreePlan, fixed
 
 
 def run(model, drafter: Drafter, prompt: list[int], n: int):
@@ -110,6 +112,22 @@ def test_output_equals_greedy_on_random_prompts(model, kwargs, request):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))]
         n = rng.randint(1, 40)
         assert run(net, drafter, prompt, n).output_ids == run(net, Drafter(VOCAB), prompt, n).output_ids, prompt
+
+
+def test_a_tree_plan_drafts_each_context_buckets_tree_and_nothing_where_it_has_none(llama):
+    paths = load_template("paper-b3")
+    plan = TreePlan(choices=(fixed(paths).choices[0], fixed([]).choices[0], fixed([[0], [0, 0]]).choices[0]),
+                    bounds=(16, 30))
+    drafter = Eagle(VOCAB, head="random", tree=plan)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    sizes = []
+    original = drafter.propose
+    drafter.propose = lambda ids: sizes.append((len(ids), original(ids))) or sizes[-1][1]
+    assert run(llama, drafter, prompt, 40).output_ids == run(llama, Drafter(VOCAB), prompt, 40).output_ids
+    for context, draft in sizes:
+        expected = len(paths) if context < 16 else 0 if context < 30 else 2
+        assert (0 if draft is None else len(draft.tokens)) == expected, context
+    assert min(c for c, _ in sizes) < 16 and max(c for c, _ in sizes) >= 30  # every bucket was visited
 
 
 def test_a_saved_head_loads_back_and_drafts_the_same(llama, tmp_path):

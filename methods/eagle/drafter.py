@@ -8,7 +8,8 @@ engine hands them over: the prompt's at ``reset``, the accepted path's in every 
 the head's guesses; the entries of a step's draft tree are dropped as soon as the tree is drafted.
 
 Two trees: a static template (``tree=<name>``, rank paths as Token Recycling's: node ``[0, 1]`` is the
-second most likely child of the most likely first token), or EAGLE-2's dynamic tree (``tree=dynamic``):
+second most likely child of the most likely first token; ``tree=auto``: one per context bucket, chosen for
+the hardware from the head's measured acceptance and drafting time), or EAGLE-2's dynamic tree (``tree=dynamic``):
 from the root, expand the ``top_k`` candidates of highest cumulative log-probability at every depth, each
 into its ``top_k`` children, then keep the ``total_tokens - 1`` best of all candidates. Each depth is one
 head forward over the expanded nodes (siblings share a position; each sees the context and its own
@@ -32,6 +33,7 @@ from methods.drafter import Drafter, Step
 from methods.eagle.head import Eagle3Head, EagleHead, HeadError, load_draft_vocab, load_head
 from methods.engine import Engine
 from methods.tree import Draft, from_rank_paths, interned, load_template
+from methods.tree_search import TreePlan, fixed
 
 
 class Eagle(Drafter):
@@ -39,16 +41,19 @@ class Eagle(Drafter):
     untrained EAGLE-1 head, seeded: for tests and timing only); ``tree`` is ``dynamic`` (EAGLE-2) or a
     template name; ``draft_vocab``: True drafts over the head's draft vocabulary when it ships one, an
     int N over its N most frequent tokens, False over the whole vocabulary (an EAGLE-3 head always
-    drafts over its own)."""
+    drafts over its own). A :class:`TreePlan` as ``tree`` (``tree=auto``) gives a template per context bucket."""
 
     hidden_layers = EagleHead.reads  # set by the head in attach (EAGLE-3 reads three layers)
+    tree_param = "tree"
+    candidate_tree = "wide"  # what the head drafts depends only on the context: verified as it is
+    drafting_cost = True
 
     def __init__(
         self,
         vocab_size: int,
         device: torch.device | str = "cpu",
         head: str | None = None,
-        tree: str | Sequence[Sequence[int]] = "dynamic",
+        tree: str | Sequence[Sequence[int]] | TreePlan = "dynamic",
         total_tokens: int = 60,
         depth: int = 6,
         top_k: int = 10,
@@ -67,8 +72,11 @@ class Eagle(Drafter):
             raise ValueError(f"method.draft_vocab must be true, false or a positive count, got {draft_vocab}")
         self.head_source, self.seed, self.draft_vocab = head, seed, draft_vocab
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
-        self.static = None if tree == "dynamic" else self._levels(
-            load_template(tree) if isinstance(tree, str) else tree, self.device)
+        self.plan = None if tree == "dynamic" else tree if isinstance(tree, TreePlan) else fixed(
+            load_template(tree) if isinstance(tree, str) else tree)
+        # per context bucket: the template's levels, None where the plan drafts nothing
+        self.static = None if self.plan is None else [self._levels(paths, self.device) if paths else None
+                                                      for paths in self.plan.trees]
         self.head: EagleHead | Eagle3Head | None = None
         self._target: PreTrainedModel | None = None
         self.cache = DynamicCache()
@@ -132,9 +140,12 @@ class Eagle(Drafter):
 
     @torch.inference_mode()
     def propose(self, ids: list[int]) -> Draft | None:
+        template = None if self.static is None else self.static[self.plan.index(len(ids))]
+        if self.static is not None and template is None:
+            return None  # the plan drafts nothing at this context length; the head catches up later
         last = self._catch_up(ids)  # the head's prediction of the root's feature
         logp = self._logp(last)  # [N]: the first draft token's, over the draft vocabulary
-        draft = self._dynamic(logp, last) if self.static is None else self._fill(logp, ids[-1], last)
+        draft = self._dynamic(logp, last) if template is None else self._fill(logp, ids[-1], last, template)
         Engine.truncate(self.cache, self.cached)  # drop the tree's entries: the context's stay
         return draft
 
@@ -177,9 +188,9 @@ class Eagle(Drafter):
             torch.cat([context, visible], 1)), self.cache)[0]
         return out, self._logp(out)
 
-    def _fill(self, logp: torch.Tensor, root: int, root_out: torch.Tensor) -> Draft:
-        """The static template, filled depth by depth from the head's ranked predictions."""
-        shape, levels, width = self.static
+    def _fill(self, logp: torch.Tensor, root: int, root_out: torch.Tensor, template: tuple) -> Draft:
+        """A static template (:meth:`_levels`), filled depth by depth from the head's ranked predictions."""
+        shape, levels, width = template
         tokens = torch.empty(shape.n_nodes, dtype=torch.long, device=self.device)
         tokens[0] = root
         fed_out = root_out.new_empty(0, root_out.shape[-1])  # outputs of the fed nodes, in feeding order
@@ -239,4 +250,6 @@ class Eagle(Drafter):
                 "head_bytes": sum(p.numel() * p.element_size() for p in params),
                 "draft_vocab": len(self.vocab_rows) if self.head is not None else None,
                 "layers_read": list(self.hidden_layers),
-                "tree": "dynamic" if self.static is None else f"static, {self.static[0].n_nodes - 1} nodes"}
+                "tree": "dynamic" if self.static is None else
+                "static, " + " / ".join(f"{t[0].n_nodes - 1 if t else 0} nodes" for t in self.static),
+                **({"plan": self.plan.describe()} if self.plan is not None and self.plan.sources else {})}
