@@ -164,14 +164,15 @@ def collect(cfg: DictConfig) -> Path:
 def _collect(cfg: DictConfig, cls: type, param: str, verified: object) -> Path:
     from evaluation.run import run  # the harness's own loop, so the statistics come from a real run
 
+    candidate = cfg.autotree.candidate or cls.candidate_tree
     run_cfg = cfg.copy()
     with open_dict(run_cfg):
         if cls.shadow_param:  # verify `verified` (auto: the current plan) and score the candidate in its shadow
             run_cfg.method[param] = verified
-            run_cfg.method[cls.shadow_param] = cls.candidate_tree
+            run_cfg.method[cls.shadow_param] = candidate
             run_cfg.autotree.allow_overlap = True  # the plan verified with is not being evaluated here
         else:
-            run_cfg.method[param] = cls.candidate_tree
+            run_cfg.method[param] = candidate
         run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs")
     result = run(run_cfg)
     meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())
@@ -183,7 +184,7 @@ def _collect(cfg: DictConfig, cls: type, param: str, verified: object) -> Path:
     path = files_for(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name)[0]
     body = {
         "key": {"model": cfg.model.name, "dtype": meta["dtype"], "method": method_key(cfg.method)},
-        "candidate": {param: cls.candidate_tree},
+        "candidate": {param: candidate},
         "scored": f"in the shadow of method.{param}={run_cfg.method[param]}" if cls.shadow_param else "verified",
         "steps": steps, "drafting_steps": drafting, "draft_rate": drafting / steps,
         "nodes": [{"path": list(p), "p": n / drafting} for p, n in sorted(nodes.items(), key=lambda x: (len(x[0]), x[0]))],

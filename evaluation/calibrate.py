@@ -230,13 +230,9 @@ class DraftingCalibration:
 
     @cached_property
     def fitted(self) -> tuple[DraftCost, ...]:
-        """Per context, the least-squares :class:`DraftCost` (seconds), its terms kept non-negative."""
-        x = np.array([[1.0, d - 1, inner] for d, inner in self.trees])
-        fits = []
-        for row in self.draft_ms:
-            coef, *_ = np.linalg.lstsq(x, np.asarray(row) / 1000, rcond=None)
-            fits.append(DraftCost(*(max(float(c), 0.0) for c in coef)))
-        return tuple(fits)
+        """Per context, the non-negative least-squares :class:`DraftCost` (seconds): a cost never negative."""
+        return tuple(DraftCost(*_nonnegative_fit(np.array([[1.0, d - 1, inner] for d, inner in self.trees]),
+                                                 np.asarray(row) / 1000)) for row in self.draft_ms)
 
     def cost(self, context: int) -> DraftCost:
         """The fitted cost at a context length: each term linear between (and past) the measured contexts."""
@@ -259,6 +255,22 @@ class DraftingCalibration:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CalibrationError(f"{path}: not a readable drafting calibration ({err}); delete it and rerun "
                                    "python -m evaluation.calibrate method=...") from err
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares with every coefficient >= 0, exact for a few columns: the best fit over the subsets of
+    columns whose own unconstrained fit is non-negative (the zero fit always qualifies)."""
+    best, best_err = [0.0] * x.shape[1], float(y @ y)
+    for mask in range(1, 2 ** x.shape[1]):
+        cols = [j for j in range(x.shape[1]) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if (coef >= 0).all():
+            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = [0.0] * x.shape[1], err
+                for j, c in zip(cols, coef):
+                    best[j] = float(c)
+    return best
 
 
 def drafting_file_for(directory: Path, key: dict, method_name: str, method: dict) -> Path:

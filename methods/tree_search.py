@@ -72,7 +72,7 @@ class Choice:
     step_ms: float  # predicted time of one step
     tokens_per_s: float  # predicted decode tokens/s
     baseline_tokens_per_s: float  # predicted for greedy decoding (no draft) at the same context
-    draft_ms: float = 0.0  # the drafter's own predicted time per drafting step (in step_ms; 0: not modelled)
+    draft_ms: float | None = None  # the drafter's own predicted time per drafting step (in step_ms; None: not modelled)
 
     @property
     def n_nodes(self) -> int:
@@ -84,7 +84,7 @@ class Choice:
             "context": self.context, "nodes": self.n_nodes, "depth": depth, "draft_rate": round(self.draft_rate, 4),
             "widths": [sum(len(p) == d for p in self.paths) for d in range(1, depth + 1)],
             "expected_tokens": round(self.expected_tokens, 4), "step_ms": round(self.step_ms, 3),
-            **({"draft_ms": round(self.draft_ms, 3)} if self.draft_ms else {}),
+            **({"draft_ms": round(self.draft_ms, 3)} if self.draft_ms is not None else {}),
             "predicted_tokens_per_s": round(self.tokens_per_s, 3),
             "predicted_speedup": round(self.tokens_per_s / self.baseline_tokens_per_s, 4),
         }
@@ -151,7 +151,8 @@ def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes:
     chosen = [p for p, _ in ranked if limit is None or len(p) <= limit][:n]
     paths = tuple(sorted(chosen, key=lambda p: (len(p), p)))
     return Choice(paths=paths, context=context, draft_rate=rate if n else 0.0, expected_tokens=tokens, step_ms=1000 * seconds,
-                  tokens_per_s=speed, baseline_tokens_per_s=1 / base, draft_ms=1000 * drafting)
+                  tokens_per_s=speed, baseline_tokens_per_s=1 / base,
+                  draft_ms=1000 * drafting if draft is not None else None)
 
 
 def plan(stats: NodeStats, step_seconds: Callable[[int, int], float], contexts: Sequence[int],

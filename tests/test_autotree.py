@@ -93,6 +93,10 @@ def test_drafting_calibration_fits_its_cost_and_interpolates_it_over_the_context
         fitted = cal.cost(context)
         assert (fitted.base, fitted.per_level, fitted.per_node) == pytest.approx((cost.base, cost.per_level, cost.per_node))
     assert cal.cost(576).base == pytest.approx(0.005) and cal.cost(1920).base == pytest.approx(0.008)
+    line = calibrate.DraftingCalibration(key={}, method={}, contexts=(128,), trees=trees, provenance={},
+                                         draft_ms=((0.0, 1.5, 1.5, 5.5, 5.5, 13.5, 13.5),))  # crosses zero: -0.5 ms
+    fit = line.fitted[0]  # no negative term: the best fit with every cost >= 0
+    assert fit.base == 0.0 and fit.per_node >= 0 and fit.per_level == pytest.approx(0.225 / 118, rel=1e-2)
 
 
 def test_plan_shrinks_the_tree_as_the_context_makes_it_dearer_and_merges_equal_buckets():
@@ -299,6 +303,14 @@ def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, metho
     row = cost[cost["label"].str.contains("auto")].iloc[0]
     assert not math.isnan(row["calibrated_decode_tokens_per_s"]) and not math.isnan(row["predicted_mat"])
     assert 0 <= row["outside_forward"] < 1
+
+
+def test_a_smaller_candidate_collects_statistics_of_its_own_nodes_only(tiny, tmp_path):
+    stats_path = collect(config(*tiny["common"], f"data.path={tiny['calib']}", "method=eagle", "method.head=random",
+                                "autotree.candidate=paper-b3", f"autotree.dir={tmp_path}"))
+    stats = json.loads(stats_path.read_text())
+    assert stats["candidate"] == {"tree": "paper-b3"} and stats["drafting_steps"] > 0
+    assert {tuple(n["path"]) for n in stats["nodes"]} <= set(map(tuple, load_template("paper-b3")))
 
 
 def test_sam_falls_back_on_the_tree_chosen_from_token_recyclings_statistics(tiny):
