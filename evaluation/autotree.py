@@ -89,8 +89,9 @@ def _drafting(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tupl
     path = calibrate.drafting_file_for(resolve_path(cfg.autotree.dir), key, cfg.method.name, settings)
     make = _command("calibrate", cfg, f" method={cfg.method.name}")
     if not path.is_file():
-        raise AutoTreeError(f"tree=auto for {cfg.method.name} weighs its drafter's own time per draft, and no {path} "
-                            f"exists; measure it (under a minute, after the calibration) with: {make}")
+        raise AutoTreeError(f"tree=auto for {cfg.method.name} weighs its drafter's own time per draft, and no "
+                            f"{path} exists; measure it (2 minutes for SmolLM2 on a 2-core CPU, after the "
+                            f"calibration) with: {make}")
     drafting = calibrate.DraftingCalibration.load(path)
     diff = calibrate.key_diff(key, drafting.key)
     if drafting.method != settings:  # the file name holds a digest of the settings; a renamed file could lie
