@@ -260,23 +260,21 @@ class DraftingCalibration:
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
     """Least squares with every coefficient >= 0, exact for a few columns: the best fit over the subsets of
     columns whose own unconstrained fit is non-negative (the zero fit always qualifies)."""
-    best, best_err = [0.0] * x.shape[1], float(y @ y)
+    best, best_err = np.zeros(x.shape[1]), float(y @ y)
     for mask in range(1, 2 ** x.shape[1]):
         cols = [j for j in range(x.shape[1]) if mask >> j & 1]
         coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        if (coef >= 0).all():
-            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
-            if err < best_err:
-                best, best_err = [0.0] * x.shape[1], err
-                for j, c in zip(cols, coef):
-                    best[j] = float(c)
-    return best
+        err = float(np.sum((x[:, cols] @ coef - y) ** 2))
+        if (coef >= 0).all() and err < best_err:
+            best, best_err = np.zeros(x.shape[1]), err
+            best[cols] = coef
+    return [float(c) for c in best]
 
 
 def drafting_file_for(directory: Path, key: dict, method_name: str, method: dict) -> Path:
     digest = hashlib.sha1(json.dumps(method, sort_keys=True).encode()).hexdigest()[:8]
-    return file_for(directory, key).with_name(
-        file_for(directory, key).name.replace("calibration-", f"drafting-{method_name}-{digest}-"))
+    path = file_for(directory, key)
+    return path.with_name(path.name.replace("calibration-", f"drafting-{method_name}-{digest}-"))
 
 
 class _Timed:

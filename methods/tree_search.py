@@ -128,7 +128,7 @@ def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes:
     rate = stats.draft_rate
     base = step_seconds(1)
     limits = sorted({len(p) for p, _ in ranked}) if draft is not None else [None]
-    best: tuple[float, int, int | None, float, float, float] | None = None
+    best: tuple[float, tuple, float, float, float] | None = None
     for limit in limits:
         nodes = [(p, q) for p, q in ranked if limit is None or len(p) <= limit]
         gain, depth, inner, parents = 0.0, 0, 0, set()
@@ -146,11 +146,10 @@ def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes:
             seconds = rate * (step_seconds(n + 1) + drafting) + (1 - rate) * base if n else base
             speed = tokens / seconds
             if best is None or speed > best[0] + 1e-12:
-                best = (speed, n, limit, tokens, seconds, drafting)
-    speed, n, limit, tokens, seconds, drafting = best
-    chosen = [p for p, _ in ranked if limit is None or len(p) <= limit][:n]
+                best = (speed, tuple(p for p, _ in nodes[:n]), tokens, seconds, drafting)
+    speed, chosen, tokens, seconds, drafting = best
     paths = tuple(sorted(chosen, key=lambda p: (len(p), p)))
-    return Choice(paths=paths, context=context, draft_rate=rate if n else 0.0, expected_tokens=tokens, step_ms=1000 * seconds,
+    return Choice(paths=paths, context=context, draft_rate=rate if paths else 0.0, expected_tokens=tokens, step_ms=1000 * seconds,
                   tokens_per_s=speed, baseline_tokens_per_s=1 / base,
                   draft_ms=1000 * drafting if draft is not None else None)
 

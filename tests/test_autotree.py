@@ -310,6 +310,9 @@ def test_a_smaller_candidate_collects_statistics_of_its_own_nodes_only(tiny, tmp
                                 "autotree.candidate=paper-b3", f"autotree.dir={tmp_path}"))
     stats = json.loads(stats_path.read_text())
     assert stats["candidate"] == {"tree": "paper-b3"} and stats["drafting_steps"] > 0
+    result = Path(stats["provenance"]["result_file"])
+    meta = json.loads(result.with_name(result.name.replace(".jsonl", ".meta.json")).read_text())
+    assert meta["drafter"]["tree"] == "static, 7 nodes"  # the run verified the smaller candidate, not the wide one
     assert {tuple(n["path"]) for n in stats["nodes"]} <= set(map(tuple, load_template("paper-b3")))
 
 
