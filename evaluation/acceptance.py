@@ -79,15 +79,29 @@ def method_key(method: DictConfig) -> dict:
     return {k: v for k, v in sorted(plain.items()) if k not in (param, cls.shadow_param, "name", "label")}
 
 
+def policy_key(method: DictConfig) -> dict:
+    """The settings a drafter's per-class statistics depend on: all but the policy, the scoring and what a
+    policy replaces (SAM's threshold and chain length)."""
+    cls = drafter_class(method)
+    if not cls.policy_param:
+        raise AcceptanceError(f"method {method.name!r} has no per-step policy to choose (its drafter {cls.__name__} "
+                              "sets no policy_param); method.mode=auto exists for sam")
+    drop = (cls.policy_param, cls.score_param, *cls.policy_replaces, "name", "label")
+    return {k: v for k, v in sorted(OmegaConf.to_container(method, resolve=False).items()) if k not in drop}
+
+
 def question_hashes(questions: Iterable[dict]) -> list[str]:
     """Questions by content, so overlap is found across files whatever their ids."""
     return sorted({hashlib.sha1(json.dumps(q["turns"]).encode()).hexdigest()[:16] for q in questions})
 
 
-def files_for(directory: Path, model: str, dtype: str, method: DictConfig, data: str = "*") -> list[Path]:
-    """The statistics files of this model, dtype and method (one per question set; ``data="*"``: all of them)."""
-    digest = hashlib.sha1(json.dumps(method_key(method), sort_keys=True).encode()).hexdigest()[:8]
-    stem = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"acceptance-{model}-{dtype}-{method.name}-{digest}")
+def files_for(directory: Path, model: str, dtype: str, method: DictConfig, data: str = "*",
+              policy: bool = False) -> list[Path]:
+    """The statistics files of this model, dtype and method (one per question set; ``data="*"``: all of them);
+    ``policy``: its per-class statistics (``policy-*.json``, for ``mode=auto``), else its per-node ones."""
+    digest = hashlib.sha1(json.dumps((policy_key if policy else method_key)(method), sort_keys=True).encode())
+    kind = "policy" if policy else "acceptance"
+    stem = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"{kind}-{model}-{dtype}-{method.name}-{digest.hexdigest()[:8]}")
     if data == "*":
         return sorted(directory.glob(f"{stem}-*.json"))
     return [directory / f"{stem}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', data)}.json"]
@@ -137,6 +151,44 @@ class Acceptance:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise AcceptanceError(f"{path}: not a readable acceptance statistics file ({err}); delete it and rerun "
                                   "python -m evaluation.acceptance") from err
+
+
+@dataclass(frozen=True)
+class PolicyStats:
+    """A per-class statistics file: steps by match-length class and how deep the scored chain and the
+    auxiliary's draft would have been accepted (what ``mode=auto`` chooses from)."""
+
+    key: dict
+    counts: dict[int, dict[tuple[int, int], int]]
+    score: int  # the chain length scored
+    steps: int
+    question_hashes: tuple[str, ...]
+    provenance: dict
+
+    @classmethod
+    def load(cls, path: Path) -> PolicyStats:
+        try:
+            raw = json.loads(path.read_text())
+            counts = {int(m): {tuple(map(int, depths.split(":"))): int(n) for depths, n in table.items()}
+                      for m, table in raw["classes"].items()}
+            return cls(key=raw["key"], counts=counts, score=int(raw["score"]), steps=int(raw["steps"]),
+                       question_hashes=tuple(raw["question_hashes"]), provenance=raw.get("provenance", {}))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise AcceptanceError(f"{path}: not a readable policy statistics file ({err}); delete it and rerun "
+                                  "python -m evaluation.acceptance") from err
+
+
+def count_policy(records: Iterable[dict]) -> tuple[dict[int, Counter], int]:
+    """Steps by class and (chain depth, aux depth), pooled over turns, and the number of steps."""
+    counts: dict[int, Counter] = {}
+    steps = 0
+    for record in records:
+        for facts in record.get("choices", [{}])[0].get("drafter_stats", []):
+            for name, n in facts.get("policy_shadow", {}).items():
+                m, c, a = map(int, name.split(":"))
+                counts.setdefault(m, Counter())[c, a] += n
+                steps += n
+    return counts, steps
 
 
 def collect(cfg: DictConfig) -> Path:
@@ -201,10 +253,65 @@ def _collect(cfg: DictConfig, cls: type, param: str, verified: object) -> Path:
     return path
 
 
+def collect_policy(cfg: DictConfig) -> Path:
+    """Collect a drafter's per-class statistics (``method.mode=auto``) on ``cfg.data`` and write their file.
+
+    The first pass verifies ``method.<policy>`` as configured (``auto``: the method's default in
+    ``conf/method/``), every later pass the plan made from the pass before; every pass scores the drafter's
+    candidate chain and its auxiliary's draft at every step.
+    """
+    cls = drafter_class(cfg.method)
+    policy_key(cfg.method)  # a method without a policy is refused here
+    verified = cfg.method[cls.policy_param]
+    if verified == "auto":
+        verified = OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{cfg.method.name}.yaml")[cls.policy_param]
+    path = _collect_policy(cfg, cls, verified)
+    for _ in range(cfg.autotree.passes - 1):
+        path = _collect_policy(cfg, cls, "auto")
+    return path
+
+
+def _collect_policy(cfg: DictConfig, cls: type, verified: object) -> Path:
+    from evaluation.run import run
+
+    run_cfg = cfg.copy()
+    with open_dict(run_cfg):
+        run_cfg.method[cls.policy_param] = verified
+        run_cfg.method[cls.score_param] = cls.candidate_score
+        run_cfg.autotree.allow_overlap = True  # the plan verified with is not being evaluated here
+        run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs" / f"{cls.score_param}{cls.candidate_score}")
+    result = run(run_cfg)
+    meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())
+    records = [json.loads(line) for line in result.read_text().splitlines() if line.strip()]
+    counts, steps = count_policy(records)
+    if not steps:
+        raise AcceptanceError(f"{result}: no step was scored; nothing to choose a policy from")
+    path = files_for(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name,
+                     policy=True)[0]
+    body = {
+        "key": {"model": cfg.model.name, "dtype": meta["dtype"], "method": policy_key(cfg.method)},
+        "score": cls.candidate_score, "scored": f"in the shadow of method.{cls.policy_param}={verified}",
+        "steps": steps,
+        "classes": {str(m): {f"{c}:{a}": n for (c, a), n in sorted(table.items())} for m, table in sorted(counts.items())},
+        "question_hashes": question_hashes(datasets.load(cfg.data)),
+        "provenance": {"data": cfg.data.name, "question_ids": meta["question_ids"], "max_new_tokens": cfg.max_new_tokens,
+                       "result_file": str(result), "git_commit": meta.get("git_commit"),
+                       "device_name": meta.get("device_name")},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    tmp.replace(path)
+    print(f"acceptance: {steps} steps scored by match length -> {path}", file=sys.stderr)
+    return path
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    """Statistics for every ``auto`` of the method: its tree's (or its tree owner's), and its policy's."""
     try:
         collect(cfg)
+        if drafter_class(cfg.method).policy_param:
+            collect_policy(cfg)
     except AcceptanceError as err:
         sys.exit(f"acceptance: error: {err}")
 

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from evaluation import acceptance, calibrate
+from evaluation.acceptance import drafter_class
 from evaluation.data import resolve_path
 from methods import tree_search
 from methods.engine import Padding
@@ -51,21 +52,24 @@ def _calibration(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> t
     return calibration, path
 
 
-def _statistics(cfg: DictConfig, method: DictConfig, dtype: str,
-                questions: list[dict]) -> tuple[acceptance.Acceptance, Path]:
-    key = {"model": cfg.model.name, "dtype": dtype, "method": acceptance.method_key(method)}
+def _statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: list[dict],
+                policy: bool = False) -> tuple[acceptance.Acceptance | acceptance.PolicyStats, Path]:
+    """The method's per-node statistics, or with ``policy`` its per-class ones, collected on other questions."""
+    key = {"model": cfg.model.name, "dtype": dtype,
+           "method": (acceptance.policy_key if policy else acceptance.method_key)(method)}
     evaluated = set(acceptance.question_hashes(questions))
-    if cfg.autotree.acceptance:
+    if cfg.autotree.acceptance and not policy:
         candidates = [resolve_path(cfg.autotree.acceptance)]
     else:
-        candidates = acceptance.files_for(resolve_path(cfg.autotree.dir), cfg.model.name, dtype, method)
+        candidates = acceptance.files_for(resolve_path(cfg.autotree.dir), cfg.model.name, dtype, method, policy=policy)
     make = _command("acceptance", cfg, f" method={method.name} data=<questions you do not evaluate>")
+    what = f"method.{drafter_class(method).policy_param}=auto" if policy else "tree=auto"
     if not candidates or not candidates[0].is_file():
-        raise AutoTreeError(f"tree=auto needs acceptance statistics for {key} in {cfg.autotree.dir} and none exist; "
-                            f"collect them with: {make}")
+        raise AutoTreeError(f"{what} needs {'policy' if policy else 'acceptance'} statistics for {key} in "
+                            f"{cfg.autotree.dir} and none exist; collect them with: {make}")
     usable, refused = [], []
     for path in candidates:
-        stats = acceptance.Acceptance.load(path)
+        stats = (acceptance.PolicyStats if policy else acceptance.Acceptance).load(path)
         diff = [f"{k} ({key[k]!r} vs {stats.key.get(k)!r})" for k in key if key[k] != stats.key.get(k)]
         overlap = len(evaluated & set(stats.question_hashes))
         if diff:
@@ -121,19 +125,28 @@ def padding(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[
 
 def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions: list[dict],
             padded: bool = False) -> dict:
-    """Constructor overrides for the drafter: ``{tree_param: TreePlan}`` when the method asks for auto, else {}.
+    """Constructor overrides for the drafter: ``{tree_param: TreePlan}`` and ``{policy_param: PolicyPlan}`` where
+    the method asks for auto, else {}.
     ``padded``: the engine pads blocks as the calibration says, so a tree's step time is its padded size's."""
-    param = acceptance.drafter_class(cfg.method).tree_param
-    if param is None or cfg.method.get(param) != "auto":
-        return {}
-    calibration, calibration_path = _calibration(cfg, device, dtype)
-    stats, stats_path = _statistics(cfg, acceptance.statistics_method(cfg.method), str(dtype).removeprefix("torch."),
-                                    questions)
-    sources = {"calibration": str(calibration_path), "acceptance": str(stats_path), "padded": padded}
-    draft = None
-    if acceptance.drafter_class(cfg.method).drafting_cost:
-        drafting, drafting_path = _drafting(cfg, device, dtype)
-        draft, sources["drafting"] = drafting.cost, str(drafting_path)
-    plan = tree_search.plan(stats.stats, calibration.padded_seconds if padded else calibration.seconds,
-                            calibration.contexts, sources=sources, draft=draft)
-    return {param: plan}
+    cls = drafter_class(cfg.method)
+    param, policy = cls.tree_param, cls.policy_param
+    overrides: dict = {}
+    dtype_name = str(dtype).removeprefix("torch.")
+    if param is not None and cfg.method.get(param) == "auto":
+        calibration, calibration_path = _calibration(cfg, device, dtype)
+        stats, stats_path = _statistics(cfg, acceptance.statistics_method(cfg.method), dtype_name, questions)
+        sources = {"calibration": str(calibration_path), "acceptance": str(stats_path), "padded": padded}
+        draft = None
+        if cls.drafting_cost:
+            drafting, drafting_path = _drafting(cfg, device, dtype)
+            draft, sources["drafting"] = drafting.cost, str(drafting_path)
+        overrides[param] = tree_search.plan(stats.stats, calibration.padded_seconds if padded else calibration.seconds,
+                                            calibration.contexts, sources=sources, draft=draft)
+    if policy is not None and cfg.method.get(policy) == "auto":
+        calibration, calibration_path = _calibration(cfg, device, dtype)
+        stats, stats_path = _statistics(cfg, cfg.method, dtype_name, questions, policy=True)
+        sources = {"calibration": str(calibration_path), "policy_statistics": str(stats_path), "padded": padded}
+        overrides[policy] = tree_search.policy_plan(
+            stats.counts, calibration.padded_seconds if padded else calibration.seconds, calibration.contexts,
+            cls.aux_nodes(cfg.method, overrides), stats.score, sources=sources)
+    return overrides

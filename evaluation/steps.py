@@ -97,15 +97,18 @@ def find_calibration(meta: dict | None, directory: Path) -> Calibration | None:
 
 
 def _plan_prediction(plan: dict, steps: list, calibration: Calibration) -> tuple[float, float]:
-    """Predicted MAT and decode tokens/s of a plan at the steps' context lengths."""
+    """Predicted MAT and decode tokens/s of a plan (a tree plan or a per-step policy) at the steps' context lengths."""
     buckets = plan["buckets"]
     bounds = [b["below"] for b in buckets[:-1]]
     step = calibration.padded_seconds if plan.get("sources", {}).get("padded") else calibration.seconds
     tokens = seconds = 0.0
     for context, _, _ in steps:
         b = buckets[sum(context >= bound for bound in bounds)]
-        rate = b.get("draft_rate", 1.0 if b["nodes"] else 0.0)
         tokens += b["expected_tokens"]
+        if "by_class" in b:  # a per-step policy: its mean step, scaled from its context like a single token's
+            seconds += b["step_ms"] / 1000 * calibration.seconds(1, context) / calibration.seconds(1, b["context"])
+            continue
+        rate = b.get("draft_rate", 1.0 if b["nodes"] else 0.0)
         drafting = b.get("draft_ms", 0.0) / 1000  # the drafter's own time, where the plan weighed it
         seconds += rate * (step(b["nodes"] + 1, context) + drafting) + (1 - rate) * calibration.seconds(1, context)
     return tokens / len(steps), tokens / seconds
@@ -131,7 +134,8 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
         if calibration is not None:
             row["calibrated_decode_tokens_per_s"] = decode_tokens / sum(
                 calibration.seconds(size, context) for context, size, _ in steps)
-            plan = ((c.run.meta or {}).get("drafter") or {}).get("plan")
+            drafter = (c.run.meta or {}).get("drafter") or {}
+            plan = drafter.get("plan") or drafter.get("policy")
             if plan:
                 row["predicted_mat"], row["predicted_decode_tokens_per_s"] = _plan_prediction(plan, steps, calibration)
         rows.append(row)

@@ -8,6 +8,7 @@ every method is verified by the same code and compared like for like.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 from transformers import PreTrainedModel
@@ -68,6 +69,22 @@ class Drafter:
     #: the drafter runs forwards of its own per draft (EAGLE's head, one per depth), too costly to leave out of
     #: a tree's step time: ``tree=auto`` adds it, as ``evaluation.calibrate method=<name>`` measured it
     drafting_cost: bool = False
+    #: the constructor argument that takes a per-step policy (:class:`~methods.tree_search.PolicyPlan`: what to
+    #: verify by a class the drafter knows before drafting, e.g. SAM's match length); ``auto`` there lets the
+    #: harness choose it from the drafter's own per-class statistics; None: no such policy
+    policy_param: str | None = None
+    #: the constructor argument that makes the drafter score its candidate chain and auxiliary draft at every
+    #: step (``finish`` reports ``policy_shadow``), and the chain length scored
+    score_param: str | None = None
+    candidate_score: int = 0
+    #: settings a policy replaces (left out of its statistics' key)
+    policy_replaces: tuple[str, ...] = ()
+
+    @classmethod
+    def aux_nodes(cls, params: Mapping, overrides: Mapping) -> Callable[[int], int]:
+        """For a policy (``policy_param``): the draft nodes of the auxiliary tree a step may verify besides the
+        chain, by context length, given the method's settings and the harness's resolved ``overrides``."""
+        return lambda context: 0
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size  # the model's logit width (may exceed len(tokenizer))

@@ -5,7 +5,10 @@ context that occurred earlier and where that occurrence ends. When the match is 
 tokens long, the tokens that followed it are drafted as a chain; otherwise the auxiliary drafter (Token
 Recycling by default) drafts. An optional static automaton over a corpus competes with the context's
 match, handicapped by ``bias`` tokens, as in the published code. ``mode="merge"`` verifies the chain and the
-auxiliary tree together, merged into one trie.
+auxiliary tree together, merged into one trie. ``mode=auto`` hands over a
+:class:`~methods.tree_search.PolicyPlan`: what to verify (the chain cut to some length, the auxiliary tree,
+both, or nothing) by the match length and the context length, chosen for the hardware from statistics this
+drafter scores itself (``score``) and the device calibration.
 
 Which earlier occurrence is copied: the match keeps following the occurrence it was copying while the
 context keeps repeating it (a copy in progress stays on its source). When it has to re-anchor (a shorter
@@ -23,14 +26,14 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal, Mapping
 
 import torch
 
 from methods.drafter import Drafter, Step
 from methods.recycling import TokenRecycling
-from methods.tree_search import TreePlan
-from methods.tree import Draft, TreeShape, chain, interned
+from methods.tree_search import MAX_CLASS, PolicyPlan, TreePlan
+from methods.tree import Draft, TreeShape, chain, interned, load_template
 
 SEPARATOR = -1  # between corpus documents: never a context token, so no match spans two documents
 
@@ -172,10 +175,28 @@ class SamDecoding(Drafter):
     ``sources`` counts the steps by what was verified: ``retrieval`` (the chain alone), ``aux`` (the
     auxiliary's draft alone), ``merged`` (both, ``mode="merge"``), ``none`` (no draft at all); every
     turn's counts go into its result record (``drafter_stats``).
+
+    ``score=n`` (statistics for ``mode=auto``): at every step, the chain of ``n`` tokens and the auxiliary's
+    draft are also scored against the true continuation, whatever was verified; ``finish`` reports how
+    many steps of each match-length class accepted how deep in each (``policy_shadow``).
     """
 
     tree_param = "aux_tree"  # auto: the fallback's tree chosen for the hardware from Token Recycling's statistics
     tree_owner = "recycling"
+    policy_param = "mode"  # auto: what to verify by match length, from this drafter's own scored statistics
+    score_param = "score"
+    candidate_score = 16  # the chain length scored for those statistics
+    policy_replaces = ("threshold", "max_chain", "factor", "offset")
+
+    @classmethod
+    def aux_nodes(cls, params: Mapping, overrides: Mapping) -> Callable[[int], int]:
+        if params.get("aux", "recycling") == "none":
+            return lambda context: 0
+        tree = overrides.get("aux_tree", params.get("aux_tree", "paper-b3"))
+        if isinstance(tree, TreePlan):
+            return lambda context: tree.choices[tree.index(context)].n_nodes
+        size = len(load_template(tree) if isinstance(tree, str) else tree)
+        return lambda context: size
 
     def __init__(
         self,
@@ -185,12 +206,13 @@ class SamDecoding(Drafter):
         max_chain: int = 10,
         factor: float = 0.0,
         offset: float = 0.0,
-        mode: Literal["switch", "merge"] = "switch",
+        mode: Literal["switch", "merge"] | PolicyPlan = "switch",
         aux: str = "recycling",
         aux_tree: str | TreePlan = "paper-b3",
         k: int = 8,
         corpus: str | None = None,
         bias: int = 4,
+        score: int = 0,
     ):
         if threshold < 1:
             raise ValueError(f"method.threshold must be at least 1 (a match length in tokens), got {threshold}")
@@ -198,8 +220,10 @@ class SamDecoding(Drafter):
             raise ValueError(f"method.max_chain must be at least 1, got {max_chain}")
         if factor < 0:
             raise ValueError(f"method.factor must be >= 0 (0: every chain is max_chain long), got {factor}")
-        if mode not in ("switch", "merge"):
-            raise ValueError(f"method.mode must be 'switch' or 'merge', got {mode!r}")
+        if not isinstance(mode, PolicyPlan) and mode not in ("switch", "merge"):
+            raise ValueError(f"method.mode must be 'switch', 'merge' or 'auto', got {mode!r}")
+        if score < 0:
+            raise ValueError(f"method.score must be >= 0 (the chain length scored for statistics), got {score}")
         if aux not in AUXILIARIES:
             raise ValueError(f"method.aux must be one of {', '.join(AUXILIARIES)}, got {aux!r}")
         super().__init__(vocab_size, device)
@@ -208,21 +232,33 @@ class SamDecoding(Drafter):
         self.needs_prefill_logits = self.aux is not None and self.aux.needs_prefill_logits
         self.threshold, self.max_chain, self.factor, self.offset = threshold, max_chain, factor, offset
         self.mode, self.bias = mode, bias
+        self.policy = mode if isinstance(mode, PolicyPlan) else None
+        self.score = score
         self.context = Context()
         self.corpus_match = Match()
         self.sources: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
         self._children: tuple[TreeShape | None, list[list[int]]] = (None, [])
+        self._scored: Counter[tuple[int, int, int]] = Counter()  # (class, chain depth, aux depth) -> steps
+        self._pending: list[tuple[int, int, list[int], list[int], tuple[int, ...]]] = []
+        self._stream: list[int] = []  # tokens emitted since the first step of the generation
 
     def finish(self) -> dict:
         turn = self.sources - self._reported
         self._reported = self.sources.copy()
-        return {"sources": dict(turn)}
+        facts: dict = {"sources": dict(turn)}
+        if self.score:
+            self._score_pending(final=True)
+            facts["policy_shadow"] = {f"{m}:{c}:{a}": n for (m, c, a), n in sorted(self._scored.items())}
+            self._scored.clear()
+            self._stream = []
+        return facts
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
               prefill_hidden: torch.Tensor | None = None) -> None:
         self.context = Context()
         self.corpus_match = Match()
+        self._pending, self._stream = [], []
         self._follow(prompt.tolist())
         if self.aux is not None:
             self.aux.reset(prompt, prefill_logits, prefill_hidden)
@@ -233,13 +269,14 @@ class SamDecoding(Drafter):
             if self.static is not None:
                 self.corpus_match.advance(self.static, t)
 
-    def retrieve(self, ids: list[int]) -> tuple[list[int], int]:
-        """The chain copied after the best match of ``ids``' suffix, and that match's (biased) length."""
+    def retrieve(self, ids: list[int], longest: int | None = None) -> tuple[list[int], int]:
+        """The chain copied after the best match of ``ids``' suffix, and that match's (biased) length.
+        ``longest``: that many tokens, whatever the match length (else as ``max_chain``/``factor`` say)."""
         self._follow(ids[len(self.context.sam):])
         match = self.context.match
         if self.static is not None and self.corpus_match.length - self.bias > match.length:
             match = self.corpus_match
-            length = self._chain_length(match.length - self.bias)
+            length = longest or self._chain_length(match.length - self.bias)
             text = self.static.text
             tokens = text[match.end + 1 : match.end + 1 + length]
             if SEPARATOR in tokens:  # the document ends
@@ -247,7 +284,7 @@ class SamDecoding(Drafter):
             return tokens, match.length - self.bias
         if not match.length:
             return [], 0
-        length = self._chain_length(match.length)
+        length = longest or self._chain_length(match.length)
         # As PLD does: a copy that reaches the end of the context goes on through the copy itself.
         span = ids[match.end + 1 : match.end + 1 + length]
         return (span * (length // len(span) + 1))[:length], match.length
@@ -259,15 +296,32 @@ class SamDecoding(Drafter):
         return max(1, min(self.max_chain, int(self.factor * match_length + self.offset)))
 
     def propose(self, ids: list[int]) -> Draft | None:
-        tokens, length = self.retrieve(ids)
-        retrieved = length >= self.threshold and bool(tokens)
+        if self.policy is None and not self.score:
+            tokens, length = self.retrieve(ids)
+            return self._draft(ids, tokens, length >= self.threshold and bool(tokens))
+        longest = max(self.score, self.max_chain if self.policy is None else self.policy.max_chain)
+        tokens, length = self.retrieve(ids, longest)
+        klass = min(max(length, 0), MAX_CLASS)
+        aux = self.aux.propose(ids) if self.aux is not None else None
+        if self.score:
+            self._pending.append((len(self._stream), klass, tokens[: self.score],
+                                  aux.tokens.tolist() if aux is not None else [],
+                                  aux.shape.parents if aux is not None else ()))
+        if self.policy is None:
+            cut = tokens[: self._chain_length(length)]
+            return self._draft(ids, cut, length >= self.threshold and bool(cut), aux)
+        option = self.policy.option(len(ids), klass)
+        return self._verify(tokens[: option.chain], aux if option.aux else None)
+
+    def _draft(self, ids: list[int], tokens: list[int], retrieved: bool, aux: Draft | None = None) -> Draft | None:
+        """What ``mode`` switch or merge verifies (``aux``: the auxiliary's draft, if already made)."""
         if self.aux is None:
             self.sources["retrieval" if retrieved else "none"] += 1
             return self._chain(tokens) if retrieved else None
         if retrieved and self.mode == "switch":
             self.sources["retrieval"] += 1
             return self._chain(tokens)
-        draft = self.aux.propose(ids)
+        draft = aux if aux is not None else self.aux.propose(ids)
         if not retrieved:
             self.sources["aux" if draft is not None else "none"] += 1
             return draft
@@ -276,6 +330,14 @@ class SamDecoding(Drafter):
             return self._chain(tokens)
         self.sources["merged"] += 1
         return self._merge(draft, tokens)
+
+    def _verify(self, tokens: list[int], aux: Draft | None) -> Draft | None:
+        """The policy's option: the chain, the auxiliary's draft, both merged, or nothing."""
+        source = "merged" if tokens and aux is not None else "retrieval" if tokens else "aux" if aux is not None else "none"
+        self.sources[source] += 1
+        if source == "merged":
+            return self._merge(aux, tokens)
+        return self._chain(tokens) if tokens else aux
 
     def _chain(self, tokens: list[int]) -> Draft:
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), chain(len(tokens)))
@@ -307,9 +369,37 @@ class SamDecoding(Drafter):
     def observe(self, step: Step) -> None:
         if self.aux is not None:  # whichever draft was verified: the matrix learns from every forward
             self.aux.observe(step)
+        if self.score:
+            self._stream += step.emitted
+            self._score_pending(final=False)
+
+    def _score_pending(self, final: bool) -> None:
+        """Score the chains and auxiliary drafts whose continuation is known (greedy output does not depend
+        on the drafts, so how deep each would have been accepted is exact). At the end of a generation the
+        continuation is cut, and so are the depths."""
+        waiting = []
+        for start, klass, tokens, aux_tokens, parents in self._pending:
+            truth = self._stream[start : start + max(len(tokens), len(parents))]
+            if len(truth) < max(len(tokens), len(parents)) and not final:
+                waiting.append((start, klass, tokens, aux_tokens, parents))
+                continue
+            depth = 0
+            while depth < min(len(tokens), len(truth)) and tokens[depth] == truth[depth]:
+                depth += 1
+            node_depth, aux_depth = [0], 0  # -1: the node's path is not the continuation
+            for node, parent in enumerate(parents, start=1):
+                d = node_depth[parent] + 1 if node_depth[parent] >= 0 else -1
+                ok = 0 < d <= len(truth) and aux_tokens[node - 1] == truth[d - 1]
+                node_depth.append(d if ok else -1)
+                aux_depth = max(aux_depth, d if ok else 0)
+            self._scored[klass, depth, aux_depth] += 1
+        self._pending = waiting
 
     def describe(self) -> dict:
-        facts: dict = {"mode": self.mode, "corpus_tokens": len(self.static) if self.static is not None else 0}
+        facts: dict = {"mode": "auto" if self.policy else self.mode,
+                       "corpus_tokens": len(self.static) if self.static is not None else 0}
+        if self.policy:
+            facts["policy"] = self.policy.describe()
         if self.aux is not None:
             facts["aux"] = self.aux.describe()
         return facts

@@ -168,14 +168,21 @@ def plan(stats: NodeStats, step_seconds: Callable[[int, int], float], contexts: 
         raise ValueError("a tree plan needs at least one calibrated context length")
     choices = [best_tree(stats, lambda q, c=c: step_seconds(q, c), max_nodes, c, draft(c) if draft else None)
                for c in contexts]
+    merged, bounds = _buckets(contexts, choices, lambda choice: choice.paths)
+    return TreePlan(choices=merged, bounds=bounds, sources=dict(sources or {}))
+
+
+def _buckets(contexts: Sequence[int], choices: Sequence, same: Callable) -> tuple[tuple, tuple[int, ...]]:
+    """Choices made at sorted calibrated contexts as buckets: each ends halfway (geometrically) to the next
+    context, and neighbours whose ``same(choice)`` agree merge."""
     bounds = [math.isqrt(a * b) for a, b in zip(contexts, contexts[1:])]
     merged, kept = [choices[0]], []
     for choice, bound in zip(choices[1:], bounds):
-        if choice.paths == merged[-1].paths:
+        if same(choice) == same(merged[-1]):
             continue
         merged.append(choice)
         kept.append(bound)
-    return TreePlan(choices=tuple(merged), bounds=tuple(kept), sources=dict(sources or {}))
+    return tuple(merged), tuple(kept)
 
 
 def fixed(paths: Sequence[Sequence[int]]) -> TreePlan:
@@ -239,3 +246,123 @@ class ShadowTree:
             self._counts += (~(self._ancestors & ~correct).any(-1))[1:]
             self._steps += 1
         self._pending = waiting
+
+
+# Per-step policies: a drafter that knows, before drafting, how good its draft is likely to be (SAM's
+# match length) drafts differently by that class. A drafter reports the class of every step and, scored
+# against the true continuation, how deep its retrieved chain (``chain``, up to its scored length) and its
+# auxiliary tree (``aux``) would have been accepted; a step verifying the chain cut to ``L`` tokens and/or
+# the auxiliary tree accepts ``max(min(chain, L), aux)`` draft tokens (a trie merge keeps both paths).
+
+MAX_CLASS = 16  # match lengths from here on share one class
+
+
+@dataclass(frozen=True)
+class StepOption:
+    """What one class of steps verifies: the auxiliary tree or not, and the chain cut to ``chain`` tokens."""
+
+    aux: bool
+    chain: int
+
+    def describe(self) -> str:
+        parts = (["aux"] if self.aux else []) + ([f"chain {self.chain}"] if self.chain else [])
+        return " + ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """The option chosen for every class (index: the class) at one context, with the cost model's prediction."""
+
+    options: tuple[StepOption, ...]
+    context: int
+    expected_tokens: float  # per step, over the classes as often as the statistics saw them
+    step_ms: float
+    tokens_per_s: float
+    baseline_tokens_per_s: float
+
+    def option(self, klass: int) -> StepOption:
+        return self.options[min(klass, len(self.options) - 1)]
+
+    def describe(self) -> dict:
+        runs, start = [], 0  # classes with the same option as ranges: "2-5": "chain 11"
+        for i in range(1, len(self.options) + 1):
+            if i == len(self.options) or self.options[i] != self.options[start]:
+                end = "+" if i == len(self.options) else (f"-{i - 1}" if i - 1 > start else "")
+                runs.append((f"{start}{end}", self.options[start].describe()))
+                start = i
+        return {"context": self.context, "by_class": dict(runs), "expected_tokens": round(self.expected_tokens, 4),
+                "step_ms": round(self.step_ms, 3), "predicted_tokens_per_s": round(self.tokens_per_s, 3),
+                "predicted_speedup": round(self.tokens_per_s / self.baseline_tokens_per_s, 4)}
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    """One policy per context bucket, like :class:`TreePlan`'s trees."""
+
+    choices: tuple[PolicyChoice, ...]
+    bounds: tuple[int, ...] = ()
+    sources: dict = field(default_factory=dict, compare=False)
+
+    def option(self, context: int, klass: int) -> StepOption:
+        return self.choices[bisect.bisect_right(self.bounds, context)].option(klass)
+
+    @property
+    def max_chain(self) -> int:
+        return max(o.chain for c in self.choices for o in c.options)
+
+    def describe(self) -> dict:
+        return {"buckets": [{"below": b, **c.describe()} for c, b in zip(self.choices, [*self.bounds, None])],
+                "sources": self.sources}
+
+
+ClassCounts = Mapping[int, Mapping[tuple[int, int], int]]  # class -> (chain depth, aux depth) -> steps
+
+
+def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_nodes: int, max_chain: int,
+                context: int = 0) -> PolicyChoice:
+    """The option per class maximising tokens per second over all steps (Dinkelbach's method).
+
+    The best ratio ``sum(n_c E_c) / sum(n_c T_c)`` over independent per-class options is found by choosing,
+    for the current rate ``r``, every class's option maximising ``E - r T``, then updating ``r`` to the
+    ratio this gives; the rate rises at every round and stops at the optimum. A step verifying ``L``
+    chain tokens and an ``aux_nodes`` tree costs a step over ``1 + L + aux_nodes`` tokens (shared trie
+    prefixes not subtracted); ``aux_nodes=0``: no auxiliary tree at this context.
+    """
+    base = step_seconds(1)
+    options = [StepOption(aux, length) for aux in ((False, True) if aux_nodes else (False,))
+               for length in range(max_chain + 1)]
+    seconds = {o: step_seconds(1 + o.chain + (aux_nodes if o.aux else 0)) for o in options}
+    tokens = {}
+    for klass, table in counts.items():
+        n = sum(table.values())
+        for o in options:
+            tokens[klass, o] = 1 + sum(k * max(min(c, o.chain), a if o.aux else 0) for (c, a), k in table.items()) / n
+    weight = {klass: sum(table.values()) for klass, table in counts.items()}
+    rate, chosen = 1 / base, {}
+    for _ in range(100):
+        chosen = {klass: max(options, key=lambda o: (tokens[klass, o] - rate * seconds[o], -seconds[o]))
+                  for klass in counts}
+        total = sum(weight.values())
+        expected = sum(weight[k] * tokens[k, o] for k, o in chosen.items()) / total if total else 1.0
+        step = sum(weight[k] * seconds[o] for k, o in chosen.items()) / total if total else base
+        if expected / step <= rate * (1 + 1e-12):
+            break
+        rate = expected / step
+    # a class never seen takes the option of the nearest seen class below it (a longer match is no worse)
+    fallback, by_class = StepOption(False, 0), []
+    for klass in range(MAX_CLASS + 1):
+        fallback = chosen.get(klass, fallback)
+        by_class.append(fallback)
+    return PolicyChoice(options=tuple(by_class), context=context, expected_tokens=expected, step_ms=1000 * step,
+                        tokens_per_s=expected / step, baseline_tokens_per_s=1 / base)
+
+
+def policy_plan(counts: ClassCounts, step_seconds: Callable[[int, int], float], contexts: Sequence[int],
+                aux_nodes: Callable[[int], int], max_chain: int, sources: dict | None = None) -> PolicyPlan:
+    """A policy per calibrated context (the auxiliary tree's size there: ``aux_nodes(context)``)."""
+    contexts = sorted(set(contexts))
+    if not contexts:
+        raise ValueError("a policy plan needs at least one calibrated context length")
+    choices = [best_policy(counts, lambda q, c=c: step_seconds(q, c), aux_nodes(c), max_chain, c) for c in contexts]
+    merged, bounds = _buckets(contexts, choices, lambda choice: choice.options)
+    return PolicyPlan(choices=merged, bounds=bounds, sources=dict(sources or {}))

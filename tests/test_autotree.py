@@ -332,6 +332,39 @@ def test_sam_falls_back_on_the_tree_chosen_from_token_recyclings_statistics(tiny
     assert meta["drafter"]["aux"]["plan"]["sources"]["acceptance"] == str(stats_path)
 
 
+def test_sam_mode_auto_chooses_by_match_length_from_its_own_statistics(tiny, tmp_path):
+    cal_cfg = ["calibration.sizes=[1,2,4,8,16,24]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    calibrate.calibrate(config(*tiny["common"], *cal_cfg, f"autotree.dir={tmp_path}", name="calibrate"))
+    method = ["method=sam", "method.mode=auto", "method.threshold=2", f"autotree.dir={tmp_path}"]
+    with pytest.raises(AutoTreeError, match=r"method.mode=auto needs policy statistics .*python -m evaluation\.acceptance .*method=sam"):
+        run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"run.dir={tmp_path / 'never'}"))
+    stats_path = acceptance.collect_policy(config(*tiny["common"], f"data.path={tiny['calib']}", *method))
+    stats = acceptance.PolicyStats.load(stats_path)
+    assert stats_path.name.startswith("policy-hf-float32-sam-") and stats.score == 16
+    assert "threshold" not in stats.key["method"] and "mode" not in stats.key["method"]  # what the policy replaces
+    # the second pass verified the plan made from the first, and scored every step
+    result = Path(stats.provenance["result_file"])
+    records = [json.loads(line) for line in result.read_text().splitlines()]
+    assert stats.steps == sum(len(r["choices"][0]["accept_lengths"]) for r in records)
+    assert json.loads(result.with_name(result.name.replace(".jsonl", ".meta.json")).read_text())["drafter"]["mode"] == "auto"
+    with pytest.raises(AutoTreeError, match="collected on 4 of the questions evaluated"):
+        run(config(*tiny["common"], f"data.path={tiny['calib']}", *method, f"run.dir={tmp_path / 'never'}"))
+
+    out = tmp_path / "results"
+    paths = [run(config(*tiny["common"], f"data.path={tiny['eval']}", *m, f"autotree.dir={tmp_path}", f"run.dir={out}"))
+             for m in (["method=baseline"], method)]
+    ids = [[r["choices"][0]["output_ids"] for r in map(json.loads, p.read_text().splitlines())] for p in paths]
+    assert ids[0] == ids[1]
+    meta = json.loads(paths[1].with_name(paths[1].name.replace(".jsonl", ".meta.json")).read_text())
+    policy = meta["drafter"]["policy"]
+    assert policy["sources"]["policy_statistics"] == str(stats_path)
+    assert {"by_class", "expected_tokens", "predicted_tokens_per_s", "context"} <= set(policy["buckets"][0])
+    comparisons, _ = analysis.pair_runs(analysis.load_runs([out]))
+    cost = steps.cost_model(comparisons, tmp_path)
+    row = cost[cost["label"].str.startswith("sam-auto")].iloc[0]
+    assert not math.isnan(row["predicted_mat"]) and row["predicted_decode_tokens_per_s"] > 0
+
+
 def test_acceptance_by_depth_and_rank_from_step_records(tmp_path):
     folder = tmp_path / "results" / "tiny" / "mini"
     folder.mkdir(parents=True)

@@ -1,5 +1,6 @@
 """SAM-Decoding: the automaton against brute force, the drafts, the fallback, losslessness on the tiny models."""
 
+import itertools
 import json
 import random
 
@@ -18,6 +19,7 @@ from methods.engine import Engine
 from methods.recycling import TokenRecycling
 from methods.sam import Context, Match, SamDecoding, SuffixAutomaton
 from methods.tree import interned
+from methods.tree_search import MAX_CLASS, PolicyChoice, PolicyPlan, StepOption, best_policy
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -332,3 +334,63 @@ def test_the_analysis_reports_the_share_of_steps_by_draft_source(tmp_path, capsy
     assert speedup.main([str(folder), "--out", str(tmp_path / "tables")]) == 0
     assert "Draft sources" in capsys.readouterr().out
     assert (tmp_path / "tables" / "sources.csv").is_file()
+
+
+# mode=auto: the per-class policy, its statistics and its search
+
+@pytest.mark.parametrize("kwargs", [
+    {"aux": "none", "threshold": 1, "max_chain": 6, "mode": "switch"},
+    {"aux": "recycling", "threshold": 1, "max_chain": 6, "mode": "merge"},
+], ids=["sam-alone", "merged-with-recycling"])
+def test_scored_depths_are_what_verifying_the_scored_drafts_accepts(llama, kwargs):
+    """With the scored chain and aux tree verified (merged), every step accepts max(chain depth, aux depth)."""
+    prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17, 5, 3, 17]
+    drafter = SamDecoding(VOCAB, score=6, **kwargs)
+    gen = run(llama, drafter, prompt, 40)
+    assert gen.output_ids == run(llama, Drafter(VOCAB), prompt, 40).output_ids
+    scored = {tuple(map(int, k.split(":"))): n for k, n in gen.drafter_stats["policy_shadow"].items()}
+    assert sum(scored.values()) == gen.decoding_steps
+    assert sum(n * max(c, a) for (_, c, a), n in scored.items()) == sum(gen.accept_lengths) - gen.decoding_steps
+    assert any(c for _, c, _ in scored) and (kwargs["aux"] == "none") == (not any(a for _, _, a in scored))
+    plain = SamDecoding(VOCAB, **kwargs)  # scoring changes nothing that is verified
+    again = run(llama, plain, prompt, 40)
+    assert again.accept_lengths == gen.accept_lengths and plain.sources == drafter.sources
+
+
+def test_a_policy_verifies_by_match_length_and_context():
+    chain4, aux = StepOption(False, 4), StepOption(True, 0)
+    short = PolicyChoice((StepOption(False, 0), aux, chain4), 0, 1.0, 1.0, 1.0, 1.0)  # class 2 and above: chain 4
+    long = PolicyChoice((StepOption(False, 0),), 0, 1.0, 1.0, 1.0, 1.0)  # nothing at all
+    drafter = SamDecoding(VOCAB, mode=PolicyPlan((short, long), bounds=(30,)), aux_tree=TREE)
+    drafter.reset(torch.tensor([5, 6, 7, 8, 9, 5, 6]), None)
+    draft = drafter.propose([5, 6, 7, 8, 9, 5, 6])  # match "5 6" (2 tokens): the chain of 4
+    assert draft.tokens.tolist() == [7, 8, 9, 5] and draft.shape.is_chain
+    assert drafter.propose([5, 6, 7, 8, 9, 5, 6, 1, 6]).shape.n_nodes == len(TREE) + 1  # match "6": the aux tree
+    assert drafter.propose([5, 6, 7, 8, 9, 5, 6, 1, 6, 2]) is None  # no match: nothing
+    assert drafter.propose(list(range(40)) + [5, 6]) is None  # a long context: nothing
+    assert drafter.sources == {"retrieval": 1, "aux": 1, "none": 2}
+    assert drafter.describe()["policy"]["buckets"][0]["by_class"] == {"0": "none", "1": "aux", "2+": "chain 4"}
+
+
+def test_the_policy_search_finds_the_best_option_per_class_by_brute_force():
+    rng = random.Random(7)
+    for trial in range(30):
+        counts = {m: {(rng.randint(0, 3), rng.randint(0, 2)): rng.randint(1, 9) for _ in range(3)}
+                  for m in rng.sample(range(5), 3)}
+        per_token = rng.choice([0.05, 0.2, 0.6])
+        cost = lambda q: 1 + per_token * (q - 1) + (0.3 if q == 4 else 0)  # a size slower than its neighbours
+        aux_nodes = rng.choice([0, 2])
+        got = best_policy(counts, cost, aux_nodes, max_chain=3)
+        options = [StepOption(a, c) for a in ((False, True) if aux_nodes else (False,)) for c in range(4)]
+        best = 0.0
+        for chosen in itertools.product(options, repeat=len(counts)):
+            tokens = seconds = 0.0
+            for (m, table), o in zip(counts.items(), chosen):
+                for (c, a), n in table.items():
+                    tokens += n * (1 + max(min(c, o.chain), a if o.aux else 0))
+                    seconds += n * cost(1 + o.chain + (aux_nodes if o.aux else 0))
+            best = max(best, tokens / seconds)
+        assert got.tokens_per_s == pytest.approx(best), trial
+        unseen = [m for m in range(MAX_CLASS + 1) if m not in counts and m > min(counts)]
+        for m in unseen:  # a class never seen takes the option of the nearest seen class below it
+            assert got.option(m) == got.option(max(k for k in counts if k < m))
