@@ -15,6 +15,10 @@ shadow (:class:`~methods.tree_search.ShadowTree`). Collect
 them on questions you do not evaluate: ``method.tree=auto`` refuses statistics whose questions overlap
 the evaluated ones. The file is keyed by model, dtype and the method's other settings (greedy
 verification is exact, so acceptance is a property of the model and the drafter, not of the hardware).
+
+A drafter with a per-step policy (SAM's ``mode=auto``) also gets per-class statistics (``policy-*.json``,
+:func:`collect_policy`): at every step it scores its candidate chain and its auxiliary's draft against the
+true continuation, by match length.
 """
 
 from __future__ import annotations
