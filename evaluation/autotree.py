@@ -132,8 +132,12 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
     param, policy = cls.tree_param, cls.policy_param
     overrides: dict = {}
     dtype_name = str(dtype).removeprefix("torch.")
-    if param is not None and cfg.method.get(param) == "auto":
-        calibration, calibration_path = _calibration(cfg, device, dtype)
+    tree_auto = param is not None and cfg.method.get(param) == "auto"
+    policy_auto = policy is not None and cfg.method.get(policy) == "auto"
+    if not (tree_auto or policy_auto):
+        return overrides
+    calibration, calibration_path = _calibration(cfg, device, dtype)
+    if tree_auto:
         stats, stats_path = _statistics(cfg, acceptance.statistics_method(cfg.method), dtype_name, questions)
         sources = {"calibration": str(calibration_path), "acceptance": str(stats_path), "padded": padded}
         draft = None
@@ -142,8 +146,7 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
             draft, sources["drafting"] = drafting.cost, str(drafting_path)
         overrides[param] = tree_search.plan(stats.stats, calibration.padded_seconds if padded else calibration.seconds,
                                             calibration.contexts, sources=sources, draft=draft)
-    if policy is not None and cfg.method.get(policy) == "auto":
-        calibration, calibration_path = _calibration(cfg, device, dtype)
+    if policy_auto:
         stats, stats_path = _statistics(cfg, cfg.method, dtype_name, questions, policy=True)
         sources = {"calibration": str(calibration_path), "policy_statistics": str(stats_path), "padded": padded}
         overrides[policy] = tree_search.policy_plan(

@@ -301,7 +301,7 @@ class SamDecoding(Drafter):
             return self._draft(ids, tokens, length >= self.threshold and bool(tokens))
         longest = max(self.score, self.max_chain if self.policy is None else self.policy.max_chain)
         tokens, length = self.retrieve(ids, longest)
-        klass = min(max(length, 0), MAX_CLASS)
+        klass = min(length, MAX_CLASS)
         aux = self.aux.propose(ids) if self.aux is not None else None
         if self.score:
             self._pending.append((len(self._stream), klass, tokens[: self.score],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -306,8 +307,9 @@ class PolicyPlan:
     def option(self, context: int, klass: int) -> StepOption:
         return self.choices[bisect.bisect_right(self.bounds, context)].option(klass)
 
-    @property
+    @cached_property
     def max_chain(self) -> int:
+        """The longest chain any option verifies (read at every step: computed once)."""
         return max(o.chain for c in self.choices for o in c.options)
 
     def describe(self) -> dict:
@@ -332,19 +334,18 @@ def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_n
     options = [StepOption(aux, length) for aux in ((False, True) if aux_nodes else (False,))
                for length in range(max_chain + 1)]
     seconds = {o: step_seconds(1 + o.chain + (aux_nodes if o.aux else 0)) for o in options}
-    tokens = {}
-    for klass, table in counts.items():
-        n = sum(table.values())
-        for o in options:
-            tokens[klass, o] = 1 + sum(k * max(min(c, o.chain), a if o.aux else 0) for (c, a), k in table.items()) / n
     weight = {klass: sum(table.values()) for klass, table in counts.items()}
-    rate, chosen = 1 / base, {}
+    total = sum(weight.values())
+    tokens = {(klass, o): 1 + sum(k * max(min(c, o.chain), a if o.aux else 0) for (c, a), k in table.items())
+              / weight[klass] for klass, table in counts.items() for o in options}
+    rate, chosen, expected, step = 1 / base, {}, 1.0, base
     for _ in range(100):
         chosen = {klass: max(options, key=lambda o: (tokens[klass, o] - rate * seconds[o], -seconds[o]))
                   for klass in counts}
-        total = sum(weight.values())
-        expected = sum(weight[k] * tokens[k, o] for k, o in chosen.items()) / total if total else 1.0
-        step = sum(weight[k] * seconds[o] for k, o in chosen.items()) / total if total else base
+        if not total:
+            break
+        expected = sum(weight[k] * tokens[k, o] for k, o in chosen.items()) / total
+        step = sum(weight[k] * seconds[o] for k, o in chosen.items()) / total
         if expected / step <= rate * (1 + 1e-12):
             break
         rate = expected / step
