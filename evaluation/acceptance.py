@@ -37,6 +37,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from evaluation import data as datasets
+from evaluation import models
 from evaluation.data import PROJECT_ROOT, resolve_path
 from methods.tree_search import NodeStats
 
@@ -210,10 +211,38 @@ def collect(cfg: DictConfig) -> Path:
         with open_dict(cfg):
             cfg.method = method
     cls, param = tunable(cfg.method)
+    candidate = cfg.autotree.candidate or cls.candidate_tree
+    done = _reusable(cfg, policy=False, expected={"candidate": {param: candidate}})
+    if done:
+        return done
     passes = cfg.autotree.passes if cls.shadow_param and cfg.method[param] != "auto" else 1
     path = _collect(cfg, cls, param, cfg.method[param])
     for _ in range(passes - 1):
         path = _collect(cfg, cls, param, "auto")
+    return path
+
+
+def _reusable(cfg: DictConfig, policy: bool, expected: dict) -> Path | None:
+    """The statistics file this collection would write, if one exists for the same model, dtype, method settings,
+    questions and token budget and holds the ``expected`` fields (what was scored); ``autotree.redo=true``: never.
+    Statistics do not depend on the hardware or the code version, so a rerun (``make bench`` after a pull) reuses
+    them instead of resuming their run, which a new commit would refuse. Per-class statistics scored with a tree
+    chosen for the hardware (``aux_tree=auto``) are collected anew: that tree may differ here."""
+    tree = drafter_class(cfg.method).tree_param
+    if cfg.autotree.redo or (policy and tree and cfg.method.get(tree) == "auto"):
+        return None
+    dtype = models.resolve_dtype(cfg.dtype, models.resolve_device(cfg.device), cfg.model)
+    path = files_for(resolve_path(cfg.autotree.dir), cfg.model.name, str(dtype).removeprefix("torch."), cfg.method,
+                     cfg.data.name, policy=policy)[0]
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if (raw.get("question_hashes") != question_hashes(datasets.load(cfg.data))
+            or raw.get("provenance", {}).get("max_new_tokens") != cfg.max_new_tokens
+            or any(raw.get(k) != v for k, v in expected.items())):
+        return None
+    print(f"acceptance: reusing {path} (autotree.redo=true collects anew)", file=sys.stderr)
     return path
 
 
@@ -266,6 +295,9 @@ def collect_policy(cfg: DictConfig) -> Path:
     """
     cls = drafter_class(cfg.method)
     policy_key(cfg.method)  # a method without a policy is refused here
+    done = _reusable(cfg, policy=True, expected={"score": cls.candidate_score})
+    if done:
+        return done
     verified = cfg.method[cls.policy_param]
     if verified == "auto":
         verified = OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{cfg.method.name}.yaml")[cls.policy_param]

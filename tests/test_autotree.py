@@ -267,6 +267,13 @@ def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, metho
     stats = json.loads(stats_path.read_text())
     assert stats["candidate"] == {param: candidate}
     assert stats["steps"] > 0 and all(0 < n["p"] <= 1 for n in stats["nodes"])
+    # collected again (make bench after a pull): reused, not rerun; another token budget or redo=true collects anew
+    mtime = stats_path.stat().st_mtime_ns
+    assert collect(config(*tiny["common"], f"data.path={tiny['calib']}", *method)) == stats_path
+    assert stats_path.stat().st_mtime_ns == mtime and "acceptance: reusing" in capsys.readouterr().err
+    for other in ("max_new_tokens=12", "autotree.redo=true"):
+        again = config(*tiny["common"], f"data.path={tiny['calib']}", *method, other)
+        assert acceptance._reusable(again, False, {"candidate": stats["candidate"]}) is None
 
     # statistics collected on the evaluated questions are refused, unless allowed
     with pytest.raises(AutoTreeError, match="collected on 4 of the questions evaluated"):
