@@ -185,7 +185,7 @@ class SamDecoding(Drafter):
     tree_owner = "recycling"
     policy_param = "mode"  # auto: what to verify by match length, from this drafter's own scored statistics
     score_param = "score"
-    candidate_score = 16  # the chain length scored for those statistics
+    candidate_score = 32  # the chain length scored for those statistics (long matches often copy 16+ tokens)
     policy_replaces = ("threshold", "max_chain", "factor", "offset")
 
     @classmethod

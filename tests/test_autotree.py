@@ -347,7 +347,7 @@ def test_sam_mode_auto_chooses_by_match_length_from_its_own_statistics(tiny, tmp
         run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"run.dir={tmp_path / 'never'}"))
     stats_path = acceptance.collect_policy(config(*tiny["common"], f"data.path={tiny['calib']}", *method))
     stats = acceptance.PolicyStats.load(stats_path)
-    assert stats_path.name.startswith("policy-hf-float32-sam-") and stats.score == 16
+    assert stats_path.name.startswith("policy-hf-float32-sam-") and stats.score == 32
     assert "threshold" not in stats.key["method"] and "mode" not in stats.key["method"]  # what the policy replaces
     # the second pass verified the plan made from the first, and scored every step
     result = Path(stats.provenance["result_file"])
