@@ -163,6 +163,28 @@ def test_calibration_fits_step_times_that_never_fall_with_the_context():
     assert cal.seconds(3, 100) < cal.seconds(2, 100)  # a q that fills the kernels' blocks may cost less
 
 
+def test_calibration_times_every_size_after_a_step_of_its_own_size(monkeypatch):
+    """A small block right after a large one runs slower (measured on an Intel Xeon); a run's steps are of similar
+    sizes, so a size is timed after one of its own, never after the previous size of the round."""
+    clock = [0.0]
+    monkeypatch.setattr(calibrate, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+
+    class Stub:  # a step of q tokens takes q ms, 5 ms more right after a larger block
+        device, cache_kw, forward_time, last = torch.device("cpu"), "past_key_values", 0.0, 0
+
+        def model(self, **kwargs): pass
+
+        def sync(self): pass
+
+        def verify(self, root, position, draft, cache):
+            q = 1 if draft is None else draft.shape.size
+            clock[0] += (q + 5 * (self.last > q)) / 1000
+            self.last = q
+
+    step_ms, _ = calibrate.measure(Stub(), VOCAB, [1, 2, 8], [16], repeats=3, progress=False)
+    assert step_ms == [pytest.approx([1.0, 2.0, 8.0])]
+
+
 def test_calibration_smooths_one_noisy_context_towards_its_neighbours():
     contexts = (128, 256, 512, 768, 1024, 1536, 2048)
     curve = [50 + 0.01 * c + 4e-6 * c * c for c in contexts]  # a step's time: about linear, a little convex
