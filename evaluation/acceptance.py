@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from evaluation import data as datasets
 from evaluation import models
 from evaluation.data import PROJECT_ROOT, resolve_path
+from evaluation.results import ResumeRefused
 from methods.tree_search import NodeStats
 
 
@@ -246,9 +247,22 @@ def _reusable(cfg: DictConfig, policy: bool, expected: dict) -> Path | None:
     return path
 
 
-def _collect(cfg: DictConfig, cls: type, param: str, verified: object) -> Path:
-    from evaluation.run import run  # the harness's own loop, so the statistics come from a real run
+def _run(cfg: DictConfig) -> Path:
+    """A statistics run through the harness's own loop, so the statistics come from a real run. An interrupted one
+    resumes; one left by other settings or code (a new calibration, a new commit) is started anew, its old file
+    kept as a .bak: statistics are collected anew only when they are to be remade."""
+    from evaluation.run import run
 
+    try:
+        return run(cfg)
+    except ResumeRefused as err:
+        print(f"acceptance: starting the statistics run anew: {err}", file=sys.stderr)
+        with open_dict(cfg):
+            cfg.run.resume = False
+        return run(cfg)
+
+
+def _collect(cfg: DictConfig, cls: type, param: str, verified: object) -> Path:
     candidate = cfg.autotree.candidate or cls.candidate_tree
     run_cfg = cfg.copy()
     with open_dict(run_cfg):
@@ -259,7 +273,7 @@ def _collect(cfg: DictConfig, cls: type, param: str, verified: object) -> Path:
         else:
             run_cfg.method[param] = candidate
         run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs")
-    result = run(run_cfg)
+    result = _run(run_cfg)
     meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())
     records = [json.loads(line) for line in result.read_text().splitlines() if line.strip()]
     nodes, steps, drafting = count(records)
@@ -308,15 +322,13 @@ def collect_policy(cfg: DictConfig) -> Path:
 
 
 def _collect_policy(cfg: DictConfig, cls: type, verified: object) -> Path:
-    from evaluation.run import run
-
     run_cfg = cfg.copy()
     with open_dict(run_cfg):
         run_cfg.method[cls.policy_param] = verified
         run_cfg.method[cls.score_param] = cls.candidate_score
         run_cfg.autotree.allow_overlap = True  # the plan verified with is not being evaluated here
         run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs" / f"{cls.score_param}{cls.candidate_score}")
-    result = run(run_cfg)
+    result = _run(run_cfg)
     meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())
     records = [json.loads(line) for line in result.read_text().splitlines() if line.strip()]
     counts, steps = count_policy(records)

@@ -296,6 +296,9 @@ def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, metho
     for other in ("max_new_tokens=12", "autotree.redo=true"):
         again = config(*tiny["common"], f"data.path={tiny['calib']}", *method, other)
         assert acceptance._reusable(again, False, {"candidate": stats["candidate"]}) is None
+    # remade after its run's settings changed (a new calibration or commit; here the seed): started anew, not refused
+    assert collect(config(*tiny["common"], f"data.path={tiny['calib']}", *method, "autotree.redo=true", "seed=1")) == stats_path
+    assert "starting the statistics run anew" in capsys.readouterr().err
 
     # statistics collected on the evaluated questions are refused, unless allowed
     with pytest.raises(AutoTreeError, match="collected on 4 of the questions evaluated"):
