@@ -217,9 +217,9 @@ def collect(cfg: DictConfig) -> Path:
     if done:
         return done
     passes = cfg.autotree.passes if cls.shadow_param and cfg.method[param] != "auto" else 1
-    path = _collect(cfg, cls, param, cfg.method[param])
+    path = _collect(cfg, cls, param, candidate, cfg.method[param])
     for _ in range(passes - 1):
-        path = _collect(cfg, cls, param, "auto")
+        path = _collect(cfg, cls, param, candidate, "auto")
     return path
 
 
@@ -262,8 +262,7 @@ def _run(cfg: DictConfig) -> Path:
         return run(cfg)
 
 
-def _collect(cfg: DictConfig, cls: type, param: str, verified: object) -> Path:
-    candidate = cfg.autotree.candidate or cls.candidate_tree
+def _collect(cfg: DictConfig, cls: type, param: str, candidate: object, verified: object) -> Path:
     run_cfg = cfg.copy()
     with open_dict(run_cfg):
         if cls.shadow_param:  # verify `verified` (auto: the current plan) and score the candidate in its shadow

@@ -195,7 +195,7 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
         # Rounds over every size, not repeats of one size in a row: a machine whose speed drifts (a shared
         # host) then shifts every size alike, and the median of the rounds keeps the curve's shape. Each timed
         # step follows an untimed one of its own size, as in a run, whose steps verify blocks of similar sizes:
-        # right after a large block a small one runs slower (measured on an Intel Xeon: a single token 7% slower
+        # right after a large block a small one runs slower (measured on an Intel Xeon: a single token 4-7% slower
         # after 80 tokens), and timing q=1 after q=128 had made 1-3 tokens look equally dear there.
         for r in range(repeats + 1):  # the first round is a warm-up
             for q in sizes:

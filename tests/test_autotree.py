@@ -374,6 +374,9 @@ def test_sam_mode_auto_chooses_by_match_length_from_its_own_statistics(tiny, tmp
     stats = acceptance.PolicyStats.load(stats_path)
     assert stats_path.name.startswith("policy-hf-float32-sam-") and stats.score == 32
     assert "threshold" not in stats.key["method"] and "mode" not in stats.key["method"]  # what the policy replaces
+    mtime = stats_path.stat().st_mtime_ns  # collected again with the same settings and scored chain: reused
+    assert acceptance.collect_policy(config(*tiny["common"], f"data.path={tiny['calib']}", *method)) == stats_path
+    assert stats_path.stat().st_mtime_ns == mtime
     # the second pass verified the plan made from the first, and scored every step
     result = Path(stats.provenance["result_file"])
     records = [json.loads(line) for line in result.read_text().splitlines()]
