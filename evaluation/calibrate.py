@@ -50,7 +50,7 @@ from methods.engine import Engine, Padding
 from methods.tree import Draft, from_rank_paths, load_template
 from methods.tree_search import DraftCost
 
-KEY_FIELDS = ("device_name", "model", "dtype", "threads", "torch")
+KEY_FIELDS = ("device_name", "model", "dtype", "threads", "torch", "masked_gqa")
 PAD_GAIN = 0.05  # a block is padded only to a size at least this much faster (smaller gains are within the noise)
 
 
@@ -62,7 +62,7 @@ def machine_key(model: str, device: torch.device, dtype: torch.dtype) -> dict:
     """What a step's time depends on besides the shapes: a calibration is valid only for the same key."""
     return {"device_name": models.device_name(device), "model": model,
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "masked_gqa": models.masked_gqa(device)}
 
 
 def key_diff(mine: dict, theirs: dict) -> list[str]:
@@ -375,8 +375,8 @@ def calibrate(cfg: DictConfig) -> Path:
     drafting = None
     if acceptance.drafter_class(cfg.method).drafting_cost:
         drafting = drafting_file_for(directory, key, cfg.method.name, acceptance.method_key(cfg.method))
-    steps = cfg.calibration.redo or not path.is_file()
-    drafter = drafting is not None and (cfg.calibration.redo or not drafting.is_file())
+    steps = cfg.calibration.redo or _stale(path, Calibration, key)
+    drafter = drafting is not None and (cfg.calibration.redo or _stale(drafting, DraftingCalibration, key))
     for done in [p for p, todo in ((path, steps), (drafting, drafter)) if p is not None and not todo]:
         print(f"calibrate: reusing {done} (calibration.redo=true measures anew)", file=sys.stderr)
     if not (steps or drafter):
@@ -387,6 +387,16 @@ def calibrate(cfg: DictConfig) -> Path:
     if drafter:
         _calibrate_drafting(cfg, loaded, key, drafting)
     return path
+
+
+def _stale(path: Path, kind: type[Calibration] | type[DraftingCalibration], key: dict) -> bool:
+    """Whether ``path`` must be measured (anew): missing, or made under a key its name does not show."""
+    if not path.is_file():
+        return True
+    diff = key_diff(key, kind.load(path).key)
+    if diff:
+        print(f"calibrate: {path} was made for another setup ({'; '.join(diff)}): measuring anew", file=sys.stderr)
+    return bool(diff)
 
 
 def _write(path: Path, body: dict) -> None:

@@ -61,6 +61,7 @@ def environment(device: torch.device) -> dict:
         "cpu": models.cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "device_name": models.device_name(device),
+        "masked_gqa": models.masked_gqa(device),
     }
 
 

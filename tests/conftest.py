@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import settings
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from evaluation import models
+
 VOCAB = 64
 
 # One thread: these machines are shared, and torch's OpenMP threads slow down by orders of magnitude when
 # another process competes for the cores; the tests assert behaviour, never speed.
 torch.set_num_threads(1)
+
+# The CPU default for every test alike (models.load sets it, and a test that built its model in code would
+# otherwise see whatever an earlier test in its worker left); tests of the other path patch it.
+os.environ[models.MASKED_GQA] = "1"
 
 # Nor does hypothesis time examples: two test workers on two shared cores make any deadline flaky.
 settings.register_profile("draftbench", deadline=None)

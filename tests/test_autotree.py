@@ -249,6 +249,13 @@ def test_calibration_file_is_keyed_reused_and_refused_elsewhere(tiny):
         run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=recycling", "method.tree=auto",
                    f"autotree.calibration={foreign}", f"run.dir={tiny['root'] / 'never'}"))
     assert not (tiny["root"] / "never").exists()
+    stale = json.loads(path.read_text())
+    stale["key"]["masked_gqa"] = False  # under the same name, made with another attention path (an older file)
+    path.write_text(json.dumps(stale))
+    with pytest.raises(AutoTreeError, match=r"refusing calibration .*masked_gqa \(True vs False\)"):
+        run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=recycling", "method.tree=auto",
+                   f"run.dir={tiny['root'] / 'never'}"))
+    assert calibrate.calibrate(cfg) == path and Calibration.load(path).key == cal.key  # measured anew
 
 
 def test_tree_auto_without_statistics_names_the_command(tiny):

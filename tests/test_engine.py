@@ -1,6 +1,8 @@
 """The verification engine is lossless: whatever is drafted, the output is greedy decoding's."""
 
+import os
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import VOCAB, tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen3
+from evaluation import models
 from methods.drafter import Drafter, Step
 from methods.engine import Engine, Padding, PromptTooLong
 from methods.tree import Draft, TreeShape
@@ -90,13 +93,15 @@ def test_baseline_equals_transformers_generate(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("masked_gqa", ["1", "0"])  # SDPA over the key/value heads under a mask (CPU) or not (CUDA)
 @settings(max_examples=12, deadline=None)
 @given(prompt=prompts, seed=st.integers(0, 2**16), extras=st.booleans())
-def test_random_trees_are_lossless(name, prompt, seed, extras):
+def test_random_trees_are_lossless(name, masked_gqa, prompt, seed, extras):
     model = MODELS[name]
-    reference = greedy(model, prompt, 24)
-    drafter = RandomTrees(reference, len(prompt), seed, extras=extras)
-    gen = Engine(model, set()).generate(prompt, drafter, 24)
+    with mock.patch.dict(os.environ, {models.MASKED_GQA: masked_gqa}):
+        reference = greedy(model, prompt, 24)
+        drafter = RandomTrees(reference, len(prompt), seed, extras=extras)
+        gen = Engine(model, set()).generate(prompt, drafter, 24)
     assert gen.output_ids == reference
     assert sum(gen.accept_lengths) == 23 and min(gen.accept_lengths) >= 1
 

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
+from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
 from evaluation import models
 from helpers import PROJECT_ROOT, config, tiny_checkpoint
@@ -117,3 +119,14 @@ def test_a_hub_id_without_the_hub_is_a_clear_message(tmp_path):
     assert "Traceback" not in proc.stderr
     assert "model.path=Qwen/Qwen2.5-7B-Instruct is not a local directory" in proc.stderr
     assert "HF_HUB_OFFLINE" in proc.stderr and "hf download Qwen/Qwen2.5-7B-Instruct --local-dir" in proc.stderr
+
+
+def test_sdpa_attends_over_the_key_value_heads_under_a_mask_on_cpu_only(tmp_path, monkeypatch):
+    monkeypatch.delenv(models.MASKED_GQA, raising=False)
+    assert models.masked_gqa(torch.device("cpu")) and not models.masked_gqa(torch.device("cuda"))
+    monkeypatch.setenv(models.MASKED_GQA, "0")  # the user's choice wins
+    assert not models.masked_gqa(torch.device("cpu"))
+    monkeypatch.delenv(models.MASKED_GQA)
+    models.load({"name": "hf", "path": str(tiny_checkpoint(tmp_path))}, torch.device("cpu"), torch.float32)
+    key = torch.zeros(1, 2, 4, 8)  # what transformers decides from the variable load set: GQA despite the mask
+    assert use_gqa_in_sdpa(torch.zeros(1, 1, 2, 4), key, key)
