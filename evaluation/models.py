@@ -262,7 +262,8 @@ def masked_gqa(device: torch.device) -> bool:
     Without it transformers copies every key/value head once per query head (``repeat_kv``) for every
     masked block, i.e. for every draft of 2+ tokens: on a 2-core Intel Xeon at 2,048 tokens of context that
     made a 2-token step cost 1.3x a single token, against 1.0x with it (every method stays equal to greedy
-    decoding under either path: tests/test_engine.py). On by default on CPU; on CUDA a masked GQA call falls back to SDPA's math kernel, so there it is off.
+    decoding under either path: tests/test_engine.py). On by default on CPU; on CUDA a masked GQA call falls
+    back to SDPA's math kernel, so there it is off.
     ``TRANSFORMERS_SDPA_FORCE_GQA=0`` or ``=1`` in the environment overrides the default.
     """
     return os.environ.get(MASKED_GQA, "1" if device.type == "cpu" else "0") == "1"
