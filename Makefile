@@ -1,7 +1,8 @@
 # draftbench: `make bench` and `make test` set up .venv on first use, then run.
 #   make bench MODEL=smollm2-135m METHODS="baseline recycling recycling:tree=auto" DATA=spec_bench_mini ARGS="threads=2"
 # TOKENS is max_new_tokens per turn; ARGS are extra Hydra overrides for every run.
-# METHODS entries are NAME or NAME:key=value,key=value (method.<key> overrides), run one after another.
+# METHODS entries are NAME or NAME:key=value,key=value (method.<key> overrides), answered in turn question by
+# question (SCHEDULE=interleaved, the default) or run one after another (SCHEDULE=sequential).
 # TORCH is what pip installs for torch first: the CPU wheel by default; TORCH= keeps the torch you have (CUDA users).
 #   make bench EXPERIMENT=readme_cpu   runs every job of conf/experiment/readme_cpu.yaml into $(RUN_DIR)/readme_cpu,
 #                                      then the speedup table and plots (ARGS: extra Hydra overrides, e.g. a launcher).
@@ -17,6 +18,9 @@ RUN_DIR ?= results
 # Questions for the acceptance statistics of tree=auto methods: never the evaluated ones.
 CALIB_DATA ?= $(if $(filter spec_bench_mini,$(DATA)),spec_bench data.per_category=2,spec_bench_mini)
 EXPERIMENT ?=
+# interleaved: one process answers each question with every method of METHODS in turn (evaluation.interleave), so
+# a drift in this machine's speed during the run hits every method alike; sequential: one run per method, in order.
+SCHEDULE ?= interleaved
 # pytest-xdist workers for `make test`; --maxschedchunk 1 hands out tests one at a time, so that the slow
 # end-to-end runs (consecutive in collection order) spread over the workers instead of landing on one.
 TEST_WORKERS ?= 2
@@ -31,6 +35,11 @@ SPEC_BENCH_URL := https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/dat
 # The entries of METHODS that choose their tree or policy for this machine (a key=auto): they need a calibration
 # and statistics first (made once, then reused), collected with the entry's other settings (e.g. sam:aux=none).
 AUTO_METHODS = $(sort $(foreach m,$(METHODS),$(if $(findstring =auto,$(m)),$(m))))
+comma := ,
+space := $(subst ,, )
+# METHODS as a Hydra list of quoted entries, for evaluation.interleave: ["baseline","sam:aux=none,mode=auto"]
+METHOD_LIST = [$(subst $(space),$(comma),$(foreach m,$(METHODS),"$(m)"))]
+$(if $(filter-out interleaved sequential,$(SCHEDULE)),$(error SCHEDULE is interleaved or sequential, not '$(SCHEDULE)'))
 
 .PHONY: bench bench-loop calibrate train-eagle test data install clean-venv
 
@@ -73,6 +82,11 @@ ifdef EXPERIMENT
 	$(PY) -m evaluation.run -m +experiment=$(EXPERIMENT) run.dir=$(RUN_DIR)/$(EXPERIMENT) $(ARGS)
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(EXPERIMENT)
 	$(PY) -m evaluation.plots $(RUN_DIR)/$(EXPERIMENT)
+else ifeq ($(SCHEDULE),interleaved)
+	$(PY) -m evaluation.interleave model=$(MODEL) 'methods=$(METHOD_LIST)' data=$(DATA) max_new_tokens=$(TOKENS) \
+		run.dir=$(RUN_DIR) $(ARGS)
+	$(PY) -m evaluation.speedup $(RUN_DIR)/$(MODEL)/$(DATA)
+	$(PY) -m evaluation.plots $(RUN_DIR)/$(MODEL)/$(DATA)
 else
 	@set -e; for m in $(METHODS); do \
 		name=$${m%%:*}; opts=""; \

@@ -129,6 +129,13 @@ class Comparison:
         return any(self.run is b for b in self.baselines)
 
     @property
+    def in_turn(self) -> bool:
+        """Whether the run was timed question by question in turn with every baseline run (evaluation.interleave),
+        so that a drift in the machine's speed hit both alike."""
+        mine = set((self.run.meta or {}).get("interleaved_with", ()))
+        return all(b.label in mine and b.index == self.run.index for b in self.baselines)
+
+    @property
     def setup(self) -> tuple[str, ...]:
         """The run's setup, or its baseline's for a foreign file."""
         for run in (self.run, *self.baselines):
@@ -452,6 +459,7 @@ def run_stats(comparison: Comparison, ratio: str = "mean") -> list[dict]:
             "decode_tokens_per_s": own["decode_tokens_per_s"],
             "prefill_ms": own["prefill_ms"],
             "provenance": comparison.provenance, "reference": comparison.is_reference, "ratio": ratio,
+            "in_turn": comparison.in_turn,
         })
     return rows
 
@@ -474,13 +482,13 @@ def summarize(comparisons: Sequence[Comparison], ratio: str = "mean") -> pd.Data
         **{m: (m, "mean") for m in METRICS}, **{f"{m}_std": (m, "std") for m in METRICS},
         baseline_tokens_per_s=("baseline_tokens_per_s", "mean"),
         provenance=("provenance", lambda p: "; ".join(dict.fromkeys(p))),
-        reference=("reference", "all"), ratio=("ratio", "first"),
+        reference=("reference", "all"), ratio=("ratio", "first"), in_turn=("in_turn", "all"),
     ).reset_index()
     order = {g: i for i, g in enumerate(group_order())}
     table["_order"] = table["group"].map(order)
     table = table.sort_values([*SETUP_KEYS, "reference", "label", "_order"], ascending=[*[True] * 4, False, True, True])
     columns = [*keys, "n_runs", "n_questions", "n_errors", *(c for m in METRICS for c in (m, f"{m}_std")),
-               "baseline_tokens_per_s", "provenance", "reference", "ratio"]
+               "baseline_tokens_per_s", "provenance", "reference", "ratio", "in_turn"]
     return table[columns].reset_index(drop=True)
 
 

@@ -107,92 +107,133 @@ def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.Load
     return {"choices": [{"index": 0, **turns}]}
 
 
-def run(cfg: DictConfig) -> Path:
-    """Run ``cfg`` and return the path of its result file."""
-    if cfg.max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
-    torch.manual_seed(cfg.seed)
-    questions = datasets.load(cfg.data)  # before the model: a bad question file fails in a second
-    device = models.resolve_device(cfg.device)
-    dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
-    dtype_name = str(dtype).removeprefix("torch.")
-    padding, padding_facts = autotree.padding(cfg, device, dtype)
-    tree = autotree.resolve(cfg, device, dtype, questions, padded=padding is not None)  # missing files fail fast
-    loaded = models.load(cfg.model, device, dtype)
-    vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
-    drafter = build_drafter(cfg.method, vocab_size, device, **tree)
-    drafter.attach(loaded.model)  # a drafter that does not fit the model (e.g. a draft head) fails here
-    time_forward = device.type == "cpu" if cfg.time_forward == "auto" else bool(cfg.time_forward)
-    engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=time_forward, padding=padding)
+class Job:
+    """One method's run, opened: its drafter, engine and result file (locked), warmed up and resumed.
 
-    config = OmegaConf.to_container(cfg, resolve=True)
-    header = {
-        "model": cfg.model.name,
-        "model_id": cfg.model.model_id or cfg.model.get("path") or cfg.model.get("gguf"),
-        "model_source": loaded.source,
-        "method": cfg.method.name,
-        "label": cfg.method.label,
-        "data": cfg.data.name,
-        "dtype": dtype_name,
-        "device": device.type,
-        "max_new_tokens": cfg.max_new_tokens,
-        "question_ids": [q["question_id"] for q in questions],
-        "run": cfg.run.id,
-        "eos_token_ids": sorted(loaded.eos_token_ids),
-        "drafter": drafter.describe(),
-        "padding": padding_facts,
-        **environment(device),
-        "config": {k: v for k, v in config.items() if k != "run"},
-        "run_config": config["run"],
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    out_dir = resolve_path(cfg.run.dir) if not Path(cfg.run.dir).is_absolute() else Path(cfg.run.dir)
-    path = out_dir / cfg.model.name / cfg.data.name / f"{cfg.method.label}-{dtype_name}-{device.type}-run{cfg.run.id}.jsonl"
-    with ResultFile(path, header, resume=cfg.run.resume) as results:  # holds the file's lock until done
-        for note in results.notes:
+    ``run`` answers a Job's questions one after another; ``evaluation.interleave`` answers several Jobs'
+    questions in turn on one loaded model, so that a drift in the machine's speed hits every method alike.
+    """
+
+    def __init__(self, cfg: DictConfig, questions: list[dict], loaded: models.LoadedModel | None = None,
+                 interleaved_with: tuple[str, ...] = ()):
+        if cfg.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        device = models.resolve_device(cfg.device)
+        dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
+        dtype_name = str(dtype).removeprefix("torch.")
+        padding, padding_facts = autotree.padding(cfg, device, dtype)
+        tree = autotree.resolve(cfg, device, dtype, questions, padded=padding is not None)  # missing files fail fast
+        self.loaded = loaded or models.load(cfg.model, device, dtype)
+        vocab_size = self.loaded.model.get_output_embeddings().weight.shape[0]
+        self.drafter = build_drafter(cfg.method, vocab_size, device, **tree)
+        self.drafter.attach(self.loaded.model)  # a drafter that does not fit the model (e.g. a draft head) fails here
+        time_forward = device.type == "cpu" if cfg.time_forward == "auto" else bool(cfg.time_forward)
+        self.engine = Engine(self.loaded.model, self.loaded.eos_token_ids, time_forward=time_forward, padding=padding)
+
+        config = OmegaConf.to_container(cfg, resolve=True)
+        header = {
+            "model": cfg.model.name,
+            "model_id": cfg.model.model_id or cfg.model.get("path") or cfg.model.get("gguf"),
+            "model_source": self.loaded.source,
+            "method": cfg.method.name,
+            "label": cfg.method.label,
+            "data": cfg.data.name,
+            "dtype": dtype_name,
+            "device": device.type,
+            "max_new_tokens": cfg.max_new_tokens,
+            "question_ids": [q["question_id"] for q in questions],
+            "run": cfg.run.id,
+            "eos_token_ids": sorted(self.loaded.eos_token_ids),
+            "drafter": self.drafter.describe(),
+            "padding": padding_facts,
+            **environment(device),
+            "config": {k: v for k, v in config.items() if k != "run"},
+            "run_config": config["run"],
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        if interleaved_with:  # a resumption must keep the schedule: a sequential run would not compare alike
+            header["interleaved_with"] = list(interleaved_with)
+        self.path = result_path(cfg, dtype_name, device)
+        self.results = ResultFile(self.path, header, resume=cfg.run.resume)  # holds the file's lock until closed
+        try:
+            self._start(questions, dtype_name, device)
+        except BaseException:
+            self.results.close()
+            raise
+
+    def _start(self, questions: list[dict], dtype_name: str, device: torch.device) -> None:
+        cfg, drafter = self.cfg, self.drafter
+        for note in self.results.notes:
             print(f"draftbench: {note}", file=sys.stderr)
-        state_path = path.with_name(path.name.removesuffix(".jsonl") + ".state.pt")
-        todo = [q for q in questions if q["question_id"] not in results.done]
-
-        print(f"draftbench: {cfg.method.label} on {cfg.model.name} ({dtype_name}, {device}, {torch.get_num_threads()} threads), "
-              f"{len(todo)}/{len(questions)} questions of {cfg.data.name} -> {path}", file=sys.stderr)
+        self.state_path = self.path.with_name(self.path.name.removesuffix(".jsonl") + ".state.pt")
+        self.todo = [q for q in questions if q["question_id"] not in self.results.done]
+        print(f"draftbench: {cfg.method.label} on {cfg.model.name} ({dtype_name}, {device}, {torch.get_num_threads()} "
+              f"threads), {len(self.todo)}/{len(questions)} questions of {cfg.data.name} -> {self.path}", file=sys.stderr)
         if drafter.describe():
             print(f"draftbench: drafter {json.dumps(drafter.describe())}", file=sys.stderr)
-        for _ in range(cfg.warmup if todo else 0):
+        for _ in range(cfg.warmup if self.todo else 0):
             first = [{"role": "user", "content": questions[0]["turns"][0]}]
-            engine.generate(models.prompt_ids(loaded.tokenizer, cfg.model.template, first), drafter, cfg.max_new_tokens)
-        if results.records and drafter.state_dict():
-            if state_path.exists():
-                drafter.load_state_dict(torch.load(state_path, map_location=device))
+            self.engine.generate(models.prompt_ids(self.loaded.tokenizer, cfg.model.template, first), drafter,
+                                 cfg.max_new_tokens)
+        if self.results.records and drafter.state_dict():
+            if self.state_path.exists():
+                drafter.load_state_dict(torch.load(self.state_path, map_location=device))
             else:
-                print(f"draftbench: warning: {state_path.name} is missing, so {cfg.method.label}'s hot-start state restarts "
-                      "here; the questions after the gap are not comparable with an uninterrupted run", file=sys.stderr)
+                print(f"draftbench: warning: {self.state_path.name} is missing, so {cfg.method.label}'s hot-start state "
+                      "restarts here; the questions after the gap are not comparable with an uninterrupted run",
+                      file=sys.stderr)
 
+    def answer(self, question: dict) -> dict:
+        """Answer ``question``, write its record durably (an error record if it fails) and the hot-start state."""
+        cfg, drafter = self.cfg, self.drafter
+        record = {"question_id": question["question_id"], "category": question["category"],
+                  "answer_id": uuid.uuid4().hex, "model_id": cfg.model.name}
+        try:
+            record |= answer(question, self.engine, drafter, self.loaded, cfg.model.template, cfg.max_new_tokens)
+        except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
+            record["error"] = {"type": type(err).__name__, "message": str(err)}
+            tqdm.write(f"draftbench: {cfg.method.label}: question {question['question_id']} failed: "
+                       f"{type(err).__name__}: {err}", file=sys.stderr)
+        record["tstamp"] = time.time()
+        self.results.append(record)
+        if drafter.state_dict():
+            tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+            torch.save(drafter.state_dict(), tmp)
+            os.replace(tmp, self.state_path)
+        return record
+
+    def close(self) -> None:
+        """Release the result file and print the run's totals."""
+        self.results.close()
+        _summary(self.results.records, self.path)
+
+
+def result_path(cfg: DictConfig, dtype_name: str, device: torch.device) -> Path:
+    """Where ``cfg``'s result file goes: ``<run.dir>/<model>/<data>/<label>-<dtype>-<device>-run<id>.jsonl``."""
+    out_dir = resolve_path(cfg.run.dir) if not Path(cfg.run.dir).is_absolute() else Path(cfg.run.dir)
+    return out_dir / cfg.model.name / cfg.data.name / f"{cfg.method.label}-{dtype_name}-{device.type}-run{cfg.run.id}.jsonl"
+
+
+def run(cfg: DictConfig) -> Path:
+    """Run ``cfg`` and return the path of its result file."""
+    questions = datasets.load(cfg.data)  # before the model: a bad question file fails in a second
+    job = Job(cfg, questions)
+    try:
         tokens = seconds = 0.0
-        bar = tqdm(todo, desc=cfg.method.label, unit="q", disable=not cfg.run.progress, file=sys.stderr)
+        bar = tqdm(job.todo, desc=cfg.method.label, unit="q", disable=not cfg.run.progress, file=sys.stderr)
         for question in bar:
-            record = {"question_id": question["question_id"], "category": question["category"],
-                      "answer_id": uuid.uuid4().hex, "model_id": cfg.model.name}
-            try:
-                record |= answer(question, engine, drafter, loaded, cfg.model.template, cfg.max_new_tokens)
-            except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
-                record["error"] = {"type": type(err).__name__, "message": str(err)}
-                tqdm.write(f"draftbench: question {question['question_id']} failed: {type(err).__name__}: {err}",
-                           file=sys.stderr)
-            record["tstamp"] = time.time()
-            results.append(record)
-            if drafter.state_dict():
-                tmp = state_path.with_name(state_path.name + ".tmp")
-                torch.save(drafter.state_dict(), tmp)
-                os.replace(tmp, state_path)
+            record = job.answer(question)
             if "choices" in record:
                 tokens += sum(record["choices"][0]["new_tokens"])
                 seconds += sum(record["choices"][0]["wall_time"])
                 bar.set_postfix_str(f"{tokens / seconds:.1f} tok/s")
-    _summary(results.records, path)
-    return path
+    finally:
+        job.close()
+    return job.path
 
 
 def _summary(records: list[dict], path: Path) -> None:

@@ -110,6 +110,13 @@ def _notes(part: pd.DataFrame) -> list[str]:
     baselines = ", ".join(dict.fromkeys(part["baseline"]))
     notes = [f"baseline: {baselines}; {RATIO_TEXT[part['ratio'].iloc[0]]}; N: questions compared (fewest over "
              "runs); Err: failed questions (all runs); mean ± std over runs"]
+    methods = part.loc[~part["reference"]]
+    apart = list(dict.fromkeys(methods.loc[~methods["in_turn"], "label"]))
+    if len(methods) and not apart:
+        notes.append("every method was timed in turn with the baseline, question by question (evaluation.interleave)")
+    elif apart:
+        notes.append(f"timed apart from the baseline (one run after another, so a drift in the machine's speed enters "
+                     f"the speedup; evaluation.interleave times them in turn): {', '.join(apart)}")
     unchecked = part.loc[part["provenance"] != CHECKED, ["label", "provenance"]].drop_duplicates()
     notes += [f"* {label}: provenance {provenance}" for label, provenance in unchecked.itertuples(index=False)]
     if any(noisy(row, column) for _, row in part.iterrows() for column in NOISY_COLUMNS):

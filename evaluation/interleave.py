@@ -1,0 +1,93 @@
+"""Run several methods on one question set in turn: question 1 by every method, then question 2, ...
+
+    python -m evaluation.interleave 'methods=[baseline,recycling:tree=auto,pld,"sam:mode=auto,aux_tree=auto"]' \\
+        data=spec_bench data.per_category=10 max_new_tokens=128 threads=2
+
+Run one after another, methods are timed at different hours, and this machine's speed drifts within
+a run (a baseline at the end of an 80-minute run measured 1.17x the one at its start): a method's
+speedup then depends on when it ran. Answered in turn, every method sees the same drift. The order
+rotates with the question (question i starts with method i mod n), so no method always follows the
+same one. One model is loaded and shared; each method keeps its own drafter, hot-start state and
+result file, the same file ``python -m evaluation.run`` writes (its header adds ``interleaved_with``),
+so the analysis reads them alike, and rerunning the same command resumes every method where it stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack
+
+import hydra
+from hydra import compose
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from evaluation import autotree, models
+from evaluation import data as datasets
+from evaluation.results import ResultLocked
+from evaluation.run import Job
+from methods.drafter import DrafterUnfit
+
+
+class MethodsError(ValueError):
+    """The ``methods`` list cannot be run together; the message says which entry and why."""
+
+
+def method_overrides(entry: str) -> list[str]:
+    """``NAME`` or ``NAME:key=value,key=value`` (as ``make bench`` METHODS) as Hydra overrides."""
+    name, _, options = str(entry).partition(":")
+    pairs = [p.strip() for p in options.split(",") if p.strip()]
+    if not name.strip() or any("=" not in p for p in pairs):
+        raise MethodsError(f"methods entry {entry!r}: write NAME or NAME:key=value,key=value (e.g. recycling:tree=auto)")
+    return [f"method={name.strip()}", *(f"method.{p}" for p in pairs)]
+
+
+def method_configs(methods: list[str], shared: list[str]) -> list[DictConfig]:
+    """The run config of every entry of ``methods``, composed as ``evaluation.run`` would with ``shared``."""
+    if not methods:
+        raise MethodsError("methods is empty: name at least one, e.g. 'methods=[baseline,recycling]'")
+    misplaced = [o for o in shared if o.lstrip("+~").split("=")[0].split(".")[0] == "method"]
+    if misplaced:
+        raise MethodsError(f"{', '.join(misplaced)}: give method settings inside the methods entries "
+                           "(e.g. 'methods=[baseline,recycling:tree=auto]'), not as method=... or method.<key>=...")
+    configs = [compose("config", overrides=[*shared, *method_overrides(m)]) for m in methods]
+    labels = [c.method.label for c in configs]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise MethodsError(f"methods {', '.join(twice)} appear twice (same label, same result file); give one of them "
+                           "another label, e.g. recycling:tree=paper,label=recycling-paper")
+    return configs
+
+
+def interleave(configs: list[DictConfig]) -> list:
+    """Answer every question with every config's method in turn; return the result files' paths."""
+    questions = datasets.load(configs[0].data)  # the same data for every method: only method.* differ
+    with ExitStack() as stack:
+        jobs: list[Job] = []
+        for cfg in configs:  # every method is set up (files checked, locked, warmed up) before the first question
+            job = Job(cfg, questions, loaded=jobs[0].loaded if jobs else None,
+                      interleaved_with=tuple(c.method.label for c in configs if c is not cfg))
+            stack.callback(job.close)
+            jobs.append(job)
+        pending = [{q["question_id"] for q in job.todo} for job in jobs]
+        progress = tqdm(questions, desc="interleaved", unit="q", disable=not configs[0].run.progress, file=sys.stderr)
+        for i, question in enumerate(progress):
+            for j in [*range(i % len(jobs), len(jobs)), *range(i % len(jobs))]:
+                if question["question_id"] in pending[j]:
+                    jobs[j].answer(question)
+    return [job.path for job in jobs]
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="interleave")
+def main(cfg: DictConfig) -> None:
+    shared = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").split("=")[0] != "methods"]
+    try:
+        interleave(method_configs(list(cfg.methods), shared))
+    except (MethodsError, models.ModelUnavailable, ResultLocked, autotree.AutoTreeError, DrafterUnfit,
+            FileNotFoundError) as err:  # the message says what to do
+        sys.exit(f"draftbench: error: {err}")
+
+
+if __name__ == "__main__":
+    main()
