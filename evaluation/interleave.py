@@ -1,6 +1,6 @@
 """Run several methods on one question set in turn: question 1 by every method, then question 2, ...
 
-    python -m evaluation.interleave 'methods=[baseline,recycling:tree=auto,pld,"sam:mode=auto,aux_tree=auto"]' \\
+    python -m evaluation.interleave 'methods=[baseline,"recycling:tree=auto",pld,"sam:mode=auto,aux_tree=auto"]' \\
         data=spec_bench data.per_category=10 max_new_tokens=128 threads=2
 
 Run one after another, methods are timed at different hours, and this machine's speed drifts within
@@ -50,7 +50,7 @@ def method_configs(methods: list[str], shared: list[str]) -> list[DictConfig]:
     misplaced = [o for o in shared if o.lstrip("+~").split("=")[0].split(".")[0] == "method"]
     if misplaced:
         raise MethodsError(f"{', '.join(misplaced)}: give method settings inside the methods entries "
-                           "(e.g. 'methods=[baseline,recycling:tree=auto]'), not as method=... or method.<key>=...")
+                           "(e.g. 'methods=[baseline,\"recycling:tree=auto\"]'), not as method=... or method.<key>=...")
     configs = [compose("config", overrides=[*shared, *method_overrides(m)]) for m in methods]
     labels = [c.method.label for c in configs]
     twice = sorted({label for label in labels if labels.count(label) > 1})
