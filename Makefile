@@ -68,12 +68,13 @@ train-eagle: $(STAMP) data
 
 # Device calibration (reused when one exists for this machine, model, dtype and threads) and, for every
 # tree=auto method, its drafting time where its drafter has forwards of its own (EAGLE; otherwise nothing more
-# is measured) and its acceptance statistics on CALIB_DATA.
+# is measured) and its acceptance statistics on CALIB_DATA, collected with the entry's settings as written
+# (SAM's policy statistics depend on aux_tree=auto: they score the fallback tree chosen for this machine).
 calibrate: $(STAMP) $(if $(findstring spec_bench ,$(CALIB_DATA) ),data)
 	$(PY) -m evaluation.calibrate model=$(MODEL) $(ARGS)
 	@set -e; for m in $(AUTO_METHODS); do \
-		name=$${m%%:*}; opts=$$(echo "$${m#$$name}" | sed 's/^://' | tr ',' '\n' | grep -v '=auto$$' | sed 's/^/method./' | tr '\n' ' '); \
-		$(PY) -m evaluation.calibrate model=$(MODEL) method=$$name $$opts $(ARGS); \
+		name=$${m%%:*}; opts=$$(echo "$${m#$$name}" | sed 's/^://' | tr ',' '\n' | sed 's/^/method./' | tr '\n' ' '); \
+		$(PY) -m evaluation.calibrate model=$(MODEL) method=$$name $$(echo $$opts | tr ' ' '\n' | grep -v '=auto$$') $(ARGS); \
 		$(PY) -m evaluation.acceptance model=$(MODEL) method=$$name $$opts max_new_tokens=$(TOKENS) $(ARGS) data=$(CALIB_DATA); \
 	done
 

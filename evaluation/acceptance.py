@@ -64,6 +64,12 @@ def tunable(method: DictConfig) -> tuple[type, str]:
     return cls, cls.tree_param
 
 
+def method_default(method: DictConfig, key: str) -> object:
+    """``key`` as the method's own config (``conf/method/<name>.yaml``) sets it: where a collection for
+    ``key=auto`` starts, before a plan exists."""
+    return OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{method.name}.yaml")[key]
+
+
 def statistics_method(method: DictConfig) -> DictConfig:
     """The method config whose statistics choose ``method``'s tree: its own, or its tree owner's
     (``conf/method/<owner>.yaml``) with the settings the two share (e.g. ``k``) taken from ``method``."""
@@ -200,9 +206,9 @@ def count_policy(records: Iterable[dict]) -> tuple[dict[int, Counter], int]:
 def collect(cfg: DictConfig) -> Path:
     """Collect the statistics on ``cfg.data`` and write their file.
 
-    A drafter scored in a shadow runs ``autotree.passes`` times: the first verifies ``method.<tree>``,
-    every later pass the plan made from the statistics before it, so the tree measured is (close to)
-    the tree chosen.
+    A drafter scored in a shadow runs ``autotree.passes`` times: the first verifies ``method.<tree>``
+    (``auto``: the method's default in ``conf/method/``), every later pass the plan made from the statistics
+    before it, so the tree measured is (close to) the tree chosen.
     """
     method = statistics_method(cfg.method)
     if method is not cfg.method:
@@ -216,8 +222,11 @@ def collect(cfg: DictConfig) -> Path:
     done = _reusable(cfg, policy=False, expected={"candidate": {param: candidate}})
     if done:
         return done
-    passes = cfg.autotree.passes if cls.shadow_param and cfg.method[param] != "auto" else 1
-    path = _collect(cfg, cls, param, candidate, cfg.method[param])
+    verified = cfg.method[param]
+    if verified == "auto":  # statistics for tree=auto: the first pass verifies the method's default tree
+        verified = method_default(cfg.method, param)
+    passes = cfg.autotree.passes if cls.shadow_param else 1
+    path = _collect(cfg, cls, param, candidate, verified)
     for _ in range(passes - 1):
         path = _collect(cfg, cls, param, candidate, "auto")
     return path
@@ -313,7 +322,7 @@ def collect_policy(cfg: DictConfig) -> Path:
         return done
     verified = cfg.method[cls.policy_param]
     if verified == "auto":
-        verified = OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{cfg.method.name}.yaml")[cls.policy_param]
+        verified = method_default(cfg.method, cls.policy_param)
     path = _collect_policy(cfg, cls, verified)
     for _ in range(cfg.autotree.passes - 1):
         path = _collect_policy(cfg, cls, "auto")

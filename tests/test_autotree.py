@@ -460,8 +460,20 @@ def test_statistics_count_the_shadow_tree_when_the_drafter_scored_one():
     assert (steps_, drafting) == (4, 4) and nodes == {(0,): 2, (0, 1): 1}
 
 
-def test_make_calibrate_collects_with_each_auto_entrys_other_settings():
-    """`make bench METHODS=sam:aux=none,mode=auto` must collect SAM alone's statistics, not the default's."""
+def test_statistics_for_tree_auto_are_collected_as_for_the_default_tree(tiny, tmp_path):
+    """`make calibrate` passes an entry's settings as written: recycling:tree=auto, with no statistics yet."""
+    cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    own = [*tiny["common"], f"autotree.dir={tmp_path}"]
+    calibrate.calibrate(config(*own, *cal_cfg, name="calibrate"))
+    stats = json.loads(collect(config(*own, f"data.path={tiny['calib']}", "method=recycling", "method.tree=auto")).read_text())
+    assert stats["key"]["method"] == acceptance.method_key(config("method=recycling").method)
+    assert list((tmp_path / "runs").rglob("recycling-paper-k8-hot-*.jsonl"))  # the first pass verified the default
+    assert stats["scored"] == "in the shadow of method.tree=auto"  # the second, the plan made from the first
+
+
+def test_make_calibrate_collects_with_each_auto_entrys_settings():
+    """`make bench METHODS=sam:aux=none,mode=auto` must collect SAM alone's statistics, not the default's, and
+    `sam:mode=auto,aux_tree=auto` those scored with the fallback tree chosen for the machine."""
     import shutil
     import subprocess
 
@@ -469,10 +481,12 @@ def test_make_calibrate_collects_with_each_auto_entrys_other_settings():
         pytest.skip("make is not installed")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(["make", "-s", "-C", str(root), "-o", ".venv/.installed", "calibrate", "PY=echo",
-                          "CALIB_DATA=spec_bench_mini", "METHODS=baseline sam:aux=none,mode=auto recycling:tree=auto,k=4"],
+                          "CALIB_DATA=spec_bench_mini",
+                          "METHODS=baseline sam:aux=none,mode=auto recycling:tree=auto,k=4 sam:mode=auto,aux_tree=auto"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     acceptance_runs = sorted(line.split() for line in out if "evaluation.acceptance" in line)
-    assert [run[2:5] for run in acceptance_runs] == [
-        ["model=smollm2-135m", "method=recycling", "method.k=4"],
-        ["model=smollm2-135m", "method=sam", "method.aux=none"]]
-    assert not any("=auto" in line for line in out)
+    assert [run[2:6] for run in acceptance_runs] == [
+        ["model=smollm2-135m", "method=recycling", "method.tree=auto", "method.k=4"],
+        ["model=smollm2-135m", "method=sam", "method.aux=none", "method.mode=auto"],
+        ["model=smollm2-135m", "method=sam", "method.mode=auto", "method.aux_tree=auto"]]
+    assert not any("=auto" in line for line in out if "evaluation.calibrate" in line)
