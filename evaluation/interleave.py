@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import ExitStack
+from pathlib import Path
 
 import hydra
 from hydra import compose
@@ -60,7 +61,7 @@ def method_configs(methods: list[str], shared: list[str]) -> list[DictConfig]:
     return configs
 
 
-def interleave(configs: list[DictConfig]) -> list:
+def interleave(configs: list[DictConfig]) -> list[Path]:
     """Answer every question with every config's method in turn; return the result files' paths."""
     questions = datasets.load(configs[0].data)  # the same data for every method: only method.* differ
     with ExitStack() as stack:
