@@ -64,10 +64,11 @@ def tunable(method: DictConfig) -> tuple[type, str]:
     return cls, cls.tree_param
 
 
-def method_default(method: DictConfig, key: str) -> object:
-    """``key`` as the method's own config (``conf/method/<name>.yaml``) sets it: where a collection for
-    ``key=auto`` starts, before a plan exists."""
-    return OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{method.name}.yaml")[key]
+def first_verified(method: DictConfig, key: str) -> object:
+    """What the first pass of a collection verifies for ``method.<key>``: its value, or where that is ``auto``
+    (no plan exists yet) the method's own default (``conf/method/<name>.yaml``)."""
+    value = method[key]
+    return OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{method.name}.yaml")[key] if value == "auto" else value
 
 
 def statistics_method(method: DictConfig) -> DictConfig:
@@ -222,11 +223,8 @@ def collect(cfg: DictConfig) -> Path:
     done = _reusable(cfg, policy=False, expected={"candidate": {param: candidate}})
     if done:
         return done
-    verified = cfg.method[param]
-    if verified == "auto":  # statistics for tree=auto: the first pass verifies the method's default tree
-        verified = method_default(cfg.method, param)
     passes = cfg.autotree.passes if cls.shadow_param else 1
-    path = _collect(cfg, cls, param, candidate, verified)
+    path = _collect(cfg, cls, param, candidate, first_verified(cfg.method, param))
     for _ in range(passes - 1):
         path = _collect(cfg, cls, param, candidate, "auto")
     return path
@@ -320,10 +318,7 @@ def collect_policy(cfg: DictConfig) -> Path:
     done = _reusable(cfg, policy=True, expected={"score": cls.candidate_score})
     if done:
         return done
-    verified = cfg.method[cls.policy_param]
-    if verified == "auto":
-        verified = method_default(cfg.method, cls.policy_param)
-    path = _collect_policy(cfg, cls, verified)
+    path = _collect_policy(cfg, cls, first_verified(cfg.method, cls.policy_param))
     for _ in range(cfg.autotree.passes - 1):
         path = _collect_policy(cfg, cls, "auto")
     return path
