@@ -64,7 +64,7 @@ data/spec_bench/question.jsonl:
 # prompts built offline, the model's own answers and features, training; about an hour for SmolLM2 on two CPU
 # cores. Rerunning resumes. Training prompts that overlap Spec-Bench or HumanEval are dropped (hence `data`).
 train-eagle: $(STAMP) data
-	$(PY) -m methods.eagle.train model=$(MODEL) $(ARGS)
+	$(PY) -m evaluation.train_eagle model=$(MODEL) $(ARGS)
 
 # Device calibration (reused when one exists for this machine, model, dtype and threads) and, for every
 # tree=auto method, its drafting time where its drafter has forwards of its own (EAGLE; otherwise nothing more

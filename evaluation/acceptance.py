@@ -23,101 +23,21 @@ true continuation, by match length.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import hydra
-from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from evaluation import data as datasets
-from evaluation import models
-from evaluation.data import PROJECT_ROOT, resolve_path
 from evaluation.results import ResumeRefused
-from methods.tree_search import NodeStats
-
-
-class AcceptanceError(RuntimeError):
-    """Statistics that are missing, unreadable or made for another setup; the message says what to do."""
-
-
-def drafter_class(method: DictConfig) -> type:
-    return get_class(method["_target_"])
-
-
-def tunable(method: DictConfig) -> tuple[type, str]:
-    """The drafter class of a method config and the constructor argument that sets its tree."""
-    cls = drafter_class(method)
-    if not cls.tree_param:
-        raise AcceptanceError(f"method {method.name!r} has no tree to choose (its drafter {cls.__name__} sets no "
-                              "tree_param); auto trees exist for recycling and eagle (method.tree) and pld "
-                              "(method.num_pred_tokens)")
-    if cls.tree_owner:
-        raise AcceptanceError(f"method {method.name!r} drafts its method.{cls.tree_param} with {cls.tree_owner}: "
-                              f"its statistics are {cls.tree_owner}'s (acceptance.statistics_method)")
-    return cls, cls.tree_param
-
-
-def first_verified(method: DictConfig, key: str) -> object:
-    """What the first pass of a collection verifies for ``method.<key>``: its value, or where that is ``auto``
-    (no plan exists yet) the method's own default (``conf/method/<name>.yaml``)."""
-    value = method[key]
-    return OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{method.name}.yaml")[key] if value == "auto" else value
-
-
-def statistics_method(method: DictConfig) -> DictConfig:
-    """The method config whose statistics choose ``method``'s tree: its own, or its tree owner's
-    (``conf/method/<owner>.yaml``) with the settings the two share (e.g. ``k``) taken from ``method``."""
-    owner = drafter_class(method).tree_owner
-    if not owner:
-        return method
-    config = OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{owner}.yaml")
-    own = drafter_class(config).tree_param
-    for key in config:
-        if key not in ("_target_", "name", "label", own) and key in method:
-            config[key] = method[key]
-    return config
-
-
-def method_key(method: DictConfig) -> dict:
-    """The method's settings that acceptance depends on: all but its tree, shadow tree, name and label."""
-    cls, param = tunable(method)
-    plain = OmegaConf.to_container(method, resolve=False)
-    return {k: v for k, v in sorted(plain.items()) if k not in (param, cls.shadow_param, "name", "label")}
-
-
-def policy_key(method: DictConfig) -> dict:
-    """The settings a drafter's per-class statistics depend on: all but the policy, the scoring and what a
-    policy replaces (SAM's threshold and chain length)."""
-    cls = drafter_class(method)
-    if not cls.policy_param:
-        raise AcceptanceError(f"method {method.name!r} has no per-step policy to choose (its drafter {cls.__name__} "
-                              "sets no policy_param); method.mode=auto exists for sam")
-    drop = (cls.policy_param, cls.score_param, *cls.policy_replaces, "name", "label")
-    return {k: v for k, v in sorted(OmegaConf.to_container(method, resolve=False).items()) if k not in drop}
-
-
-def question_hashes(questions: Iterable[dict]) -> list[str]:
-    """Questions by content, so overlap is found across files whatever their ids."""
-    return sorted({hashlib.sha1(json.dumps(q["turns"]).encode()).hexdigest()[:16] for q in questions})
-
-
-def files_for(directory: Path, model: str, dtype: str, method: DictConfig, data: str = "*",
-              policy: bool = False) -> list[Path]:
-    """The statistics files of this model, dtype and method (one per question set; ``data="*"``: all of them);
-    ``policy``: its per-class statistics (``policy-*.json``, for ``mode=auto``), else its per-node ones."""
-    digest = hashlib.sha1(json.dumps((policy_key if policy else method_key)(method), sort_keys=True).encode())
-    kind = "policy" if policy else "acceptance"
-    stem = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"{kind}-{model}-{dtype}-{method.name}-{digest.hexdigest()[:8]}")
-    if data == "*":
-        return sorted(directory.glob(f"{stem}-*.json"))
-    return [directory / f"{stem}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', data)}.json"]
+from evaluation.run import run
+from evaluation.store import (AcceptanceError, StoreError, drafter_class, first_verified, method_key, policy_key,
+                              question_hashes, reusable_statistics, statistics_method, statistics_paths, tunable)
+from methods.paths import resolve_path
 
 
 def count(records: Iterable[dict]) -> tuple[Counter, int, int]:
@@ -142,53 +62,6 @@ def count(records: Iterable[dict]) -> tuple[Counter, int, int]:
             drafting += size > 1
             nodes.update(tuple(path[: d + 1]) for d in range(len(path)))
     return nodes, steps, drafting
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """A statistics file: the key it was made under, per-node acceptance, and where it came from."""
-
-    key: dict
-    stats: NodeStats
-    steps: int
-    question_hashes: tuple[str, ...]
-    provenance: dict
-
-    @classmethod
-    def load(cls, path: Path) -> Acceptance:
-        try:
-            raw = json.loads(path.read_text())
-            probs = {tuple(node["path"]): float(node["p"]) for node in raw["nodes"]}
-            return cls(key=raw["key"], stats=NodeStats(probs, float(raw["draft_rate"])), steps=int(raw["steps"]),
-                       question_hashes=tuple(raw["question_hashes"]), provenance=raw.get("provenance", {}))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise AcceptanceError(f"{path}: not a readable acceptance statistics file ({err}); delete it and rerun "
-                                  "python -m evaluation.acceptance") from err
-
-
-@dataclass(frozen=True)
-class PolicyStats:
-    """A per-class statistics file: steps by match-length class and how deep the scored chain and the
-    auxiliary's draft would have been accepted (what ``mode=auto`` chooses from)."""
-
-    key: dict
-    counts: dict[int, dict[tuple[int, int], int]]
-    score: int  # the chain length scored
-    steps: int
-    question_hashes: tuple[str, ...]
-    provenance: dict
-
-    @classmethod
-    def load(cls, path: Path) -> PolicyStats:
-        try:
-            raw = json.loads(path.read_text())
-            counts = {int(m): {tuple(map(int, depths.split(":"))): int(n) for depths, n in table.items()}
-                      for m, table in raw["classes"].items()}
-            return cls(key=raw["key"], counts=counts, score=int(raw["score"]), steps=int(raw["steps"]),
-                       question_hashes=tuple(raw["question_hashes"]), provenance=raw.get("provenance", {}))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise AcceptanceError(f"{path}: not a readable policy statistics file ({err}); delete it and rerun "
-                                  "python -m evaluation.acceptance") from err
 
 
 def count_policy(records: Iterable[dict]) -> tuple[dict[int, Counter], int]:
@@ -220,7 +93,7 @@ def collect(cfg: DictConfig) -> Path:
             cfg.method = method
     cls, param = tunable(cfg.method)
     candidate = cfg.autotree.candidate or cls.candidate_tree
-    done = _reusable(cfg, policy=False, expected={"candidate": {param: candidate}})
+    done = reusable_statistics(cfg, policy=False, expected={"candidate": {param: candidate}})
     if done:
         return done
     passes = cfg.autotree.passes if cls.shadow_param else 1
@@ -230,36 +103,10 @@ def collect(cfg: DictConfig) -> Path:
     return path
 
 
-def _reusable(cfg: DictConfig, policy: bool, expected: dict) -> Path | None:
-    """The statistics file this collection would write, if one exists for the same model, dtype, method settings,
-    questions and token budget and holds the ``expected`` fields (what was scored); ``autotree.redo=true``: never.
-    Statistics do not depend on the hardware or the code version, so a rerun (``make bench`` after a pull) reuses
-    them instead of resuming their run, which a new commit would refuse. Per-class statistics scored with a tree
-    chosen for the hardware (``aux_tree=auto``) are collected anew: that tree may differ here."""
-    tree = drafter_class(cfg.method).tree_param
-    if cfg.autotree.redo or (policy and tree and cfg.method.get(tree) == "auto"):
-        return None
-    dtype = models.resolve_dtype(cfg.dtype, models.resolve_device(cfg.device), cfg.model)
-    path = files_for(resolve_path(cfg.autotree.dir), cfg.model.name, str(dtype).removeprefix("torch."), cfg.method,
-                     cfg.data.name, policy=policy)[0]
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if (raw.get("question_hashes") != question_hashes(datasets.load(cfg.data))
-            or raw.get("provenance", {}).get("max_new_tokens") != cfg.max_new_tokens
-            or any(raw.get(k) != v for k, v in expected.items())):
-        return None
-    print(f"acceptance: reusing {path} (autotree.redo=true collects anew)", file=sys.stderr)
-    return path
-
-
 def _run(cfg: DictConfig) -> Path:
     """A statistics run through the harness's own loop, so the statistics come from a real run. An interrupted one
     resumes; one left by other settings or code (a new calibration, a new commit) is started anew, its old file
     kept as a .bak: statistics are collected anew only when they are to be remade."""
-    from evaluation.run import run
-
     try:
         return run(cfg)
     except ResumeRefused as err:
@@ -286,7 +133,7 @@ def _collect(cfg: DictConfig, cls: type, param: str, candidate: object, verified
     if not drafting:
         raise AcceptanceError(f"{result}: no step drafted anything; nothing to learn a tree from")
     questions = datasets.load(cfg.data)
-    path = files_for(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name)[0]
+    path = statistics_paths(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name)[0]
     body = {
         "key": {"model": cfg.model.name, "dtype": meta["dtype"], "method": method_key(cfg.method)},
         "candidate": {param: candidate},
@@ -315,7 +162,7 @@ def collect_policy(cfg: DictConfig) -> Path:
     """
     cls = drafter_class(cfg.method)
     policy_key(cfg.method)  # a method without a policy is refused here
-    done = _reusable(cfg, policy=True, expected={"score": cls.candidate_score})
+    done = reusable_statistics(cfg, policy=True, expected={"score": cls.candidate_score})
     if done:
         return done
     path = _collect_policy(cfg, cls, first_verified(cfg.method, cls.policy_param))
@@ -337,7 +184,7 @@ def _collect_policy(cfg: DictConfig, cls: type, verified: object) -> Path:
     counts, steps = count_policy(records)
     if not steps:
         raise AcceptanceError(f"{result}: no step was scored; nothing to choose a policy from")
-    path = files_for(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name,
+    path = statistics_paths(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name,
                      policy=True)[0]
     body = {
         "key": {"model": cfg.model.name, "dtype": meta["dtype"], "method": policy_key(cfg.method)},
@@ -363,7 +210,7 @@ def main(cfg: DictConfig) -> None:
         collect(cfg)
         if drafter_class(cfg.method).policy_param:
             collect_policy(cfg)
-    except AcceptanceError as err:
+    except StoreError as err:
         sys.exit(f"acceptance: error: {err}")
 
 

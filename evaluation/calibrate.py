@@ -25,152 +25,26 @@ over the single-token step time against q; rerunning with the same key reuses it
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Callable, Sequence
 
 import hydra
-import numpy as np
 import torch
 from omegaconf import DictConfig
 from transformers import DynamicCache
 
 from evaluation import models
-from evaluation.data import resolve_path
+from evaluation.build import build_drafter
+from evaluation.results import environment
+from evaluation.store import (Calibration, CalibrationError, DraftingCalibration, StoreError, calibration_path,
+                              drafter_class, drafting_path, machine_key, method_key, stale, write_json)
 from methods.drafter import Drafter, Step
-from methods.engine import Engine, Padding
+from methods.engine import Engine
+from methods.paths import resolve_path
 from methods.tree import Draft, from_rank_paths, load_template
-from methods.tree_search import DraftCost
-
-KEY_FIELDS = ("device_name", "model", "dtype", "threads", "torch", "masked_gqa")
-PAD_GAIN = 0.05  # a block is padded only to a size at least this much faster (smaller gains are within the noise)
-
-
-class CalibrationError(RuntimeError):
-    """A calibration file is missing, unreadable or made for another setup; the message says what to do."""
-
-
-def machine_key(model: str, device: torch.device, dtype: torch.dtype) -> dict:
-    """What a step's time depends on besides the shapes: a calibration is valid only for the same key."""
-    return {"device_name": models.device_name(device), "model": model,
-            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "masked_gqa": models.masked_gqa(device)}
-
-
-def key_diff(mine: dict, theirs: dict) -> list[str]:
-    """The key fields that differ, as ``field (this vs that)``."""
-    return [f"{k} ({mine.get(k)!r} vs {theirs.get(k)!r})" for k in KEY_FIELDS if mine.get(k) != theirs.get(k)]
-
-
-def file_for(directory: Path, key: dict) -> Path:
-    slug = "-".join(str(key[k]) for k in ("model", "dtype", "device_name")) + f"-t{key['threads']}-torch{key['torch']}"
-    return directory / f"calibration-{re.sub(r'[^A-Za-z0-9.]+', '_', slug)}.json"
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Measured step and forward times (ms) per context length and block size q."""
-
-    key: dict
-    contexts: tuple[int, ...]
-    sizes: tuple[int, ...]
-    step_ms: tuple[tuple[float, ...], ...]  # [context][size]
-    forward_ms: tuple[tuple[float, ...], ...]
-    provenance: dict
-
-    @cached_property
-    def fitted_ms(self) -> tuple[tuple[float, ...], ...]:
-        """The step times of every q smoothed over the context: a least-squares quadratic in the context
-        length (a line for three contexts or fewer: a step reads the whole prefix, so its time grows about
-        linearly, a little faster once the cache outgrows the CPU's caches), then made non-decreasing
-        (isotonic regression), since more context is never cheaper. One slow or fast repeat at one context
-        would otherwise decide the tree there: a point 10% off moves a tree's predicted gain by as much as
-        the trees differ. Along q the times stay as measured: a q that fills the matrix kernels' blocks can
-        cost less than a smaller one (here q=8 below q=7), and that is real."""
-        return tuple(zip(*(isotonic(smooth(self.contexts, column)) for column in zip(*self.step_ms))))
-
-    def seconds(self, q: int, context: int) -> float:
-        """Predicted time of a step over ``q`` tokens at a context length, from the fitted times: piecewise
-        linear in both, linearly extrapolated past the measured range."""
-        per_context = [_interp(q, self.sizes, row) for row in self.fitted_ms]
-        return max(_interp(context, self.contexts, per_context), 1e-6) / 1000
-
-    @cached_property
-    def padding(self) -> Padding:
-        """How the engine should feed a block on this machine: at every calibrated context (buckets end
-        halfway, geometrically, to the next, as a tree plan's do), ``q`` tokens as the measured size >= q
-        with the least fitted step time, when that is at least ``PAD_GAIN`` faster than ``q`` itself."""
-        tables = []
-        for context in self.contexts:
-            measured = [(self.seconds(s, context), s) for s in self.sizes]
-            table = [0, 1]  # a single token is never padded
-            for q in range(2, max(self.sizes) + 1):
-                limit = self.seconds(q, context) * (1 - PAD_GAIN)
-                faster = [(t, s) for t, s in measured if s > q and t <= limit]
-                table.append(min(faster)[1] if faster else q)  # the fastest; on a tie the smaller
-            tables.append(tuple(table))
-        bounds = tuple(math.isqrt(a * b) for a, b in zip(self.contexts, self.contexts[1:]))
-        return Padding(bounds=bounds, sizes=tuple(tables))
-
-    def padded_seconds(self, q: int, context: int) -> float:
-        """Predicted time of a step over ``q`` tokens fed as :attr:`padding` says."""
-        return self.seconds(self.padding.size(q, context), context)
-
-    def to_json(self) -> dict:
-        return {"key": self.key, "contexts": list(self.contexts), "sizes": list(self.sizes),
-                "step_ms": [list(r) for r in self.step_ms], "forward_ms": [list(r) for r in self.forward_ms],
-                "provenance": self.provenance}
-
-    @classmethod
-    def load(cls, path: Path) -> Calibration:
-        try:
-            raw = json.loads(path.read_text())
-            return cls(key=raw["key"], contexts=tuple(raw["contexts"]), sizes=tuple(raw["sizes"]),
-                       step_ms=tuple(map(tuple, raw["step_ms"])), forward_ms=tuple(map(tuple, raw["forward_ms"])),
-                       provenance=raw.get("provenance", {}))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CalibrationError(f"{path}: not a readable calibration file ({err}); delete it and rerun "
-                                   "python -m evaluation.calibrate") from err
-
-
-def smooth(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, ...]:
-    """``ys`` at ``xs`` from a least-squares polynomial in ``xs``: quadratic from four points on, linear
-    from two, the point itself alone."""
-    degree = 2 if len(xs) >= 4 else min(1, len(xs) - 1)
-    if not degree:
-        return tuple(map(float, ys))
-    scale = max(xs)  # keeps the fit well conditioned
-    x = np.asarray(xs, dtype=float) / scale
-    return tuple(float(v) for v in np.polyval(np.polyfit(x, np.asarray(ys, dtype=float), degree), x))
-
-
-def isotonic(values: Sequence[float]) -> tuple[float, ...]:
-    """The least-squares non-decreasing fit of a sequence (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([float(v), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return tuple(m for m, n in blocks for _ in range(int(n)))
-
-
-def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    if len(xs) == 1:
-        return ys[0] * (x / xs[0] if xs[0] else 1.0)
-    if x > xs[-1]:  # extrapolate from the last two points
-        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
-    if x < xs[0]:
-        return ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (x - xs[0])
-    return float(np.interp(x, xs, ys))
 
 
 def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence[int], repeats: int,
@@ -221,66 +95,6 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
         step_ms.append(steps)
         forward_ms.append(forwards)
     return step_ms, forward_ms
-
-
-@dataclass(frozen=True)
-class DraftingCalibration:
-    """A drafter's own time per draft on this machine: measured trees and the fitted cost per context."""
-
-    key: dict  # the machine's (as a Calibration's)
-    method: dict  # the method's settings but its tree (evaluation.acceptance.method_key)
-    contexts: tuple[int, ...]
-    trees: tuple[tuple[int, int], ...]  # (depth, inner nodes) of every tree measured
-    draft_ms: tuple[tuple[float, ...], ...]  # [context][tree], median per draft (propose + observe)
-    provenance: dict
-
-    @cached_property
-    def fitted(self) -> tuple[DraftCost, ...]:
-        """Per context, the non-negative least-squares :class:`DraftCost` (seconds): a cost never negative."""
-        return tuple(DraftCost(*_nonnegative_fit(np.array([[1.0, d - 1, inner] for d, inner in self.trees]),
-                                                 np.asarray(row) / 1000)) for row in self.draft_ms)
-
-    def cost(self, context: int) -> DraftCost:
-        """The fitted cost at a context length: each term linear between (and past) the measured contexts."""
-        terms = zip(*((f.base, f.per_level, f.per_node) for f in self.fitted))
-        return DraftCost(*(max(_interp(context, self.contexts, t), 0.0) for t in terms))
-
-    def to_json(self) -> dict:
-        return {"key": self.key, "method": self.method, "contexts": list(self.contexts),
-                "trees": [list(t) for t in self.trees], "draft_ms": [list(r) for r in self.draft_ms],
-                "fitted_ms": [{"base": 1000 * f.base, "per_level": 1000 * f.per_level, "per_node": 1000 * f.per_node}
-                              for f in self.fitted], "provenance": self.provenance}
-
-    @classmethod
-    def load(cls, path: Path) -> DraftingCalibration:
-        try:
-            raw = json.loads(path.read_text())
-            return cls(key=raw["key"], method=raw["method"], contexts=tuple(raw["contexts"]),
-                       trees=tuple(map(tuple, raw["trees"])), draft_ms=tuple(map(tuple, raw["draft_ms"])),
-                       provenance=raw.get("provenance", {}))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CalibrationError(f"{path}: not a readable drafting calibration ({err}); delete it and rerun "
-                                   "python -m evaluation.calibrate method=...") from err
-
-
-def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
-    """Least squares with every coefficient >= 0, exact for a few columns: the best fit over the subsets of
-    columns whose own unconstrained fit is non-negative (the zero fit always qualifies)."""
-    best, best_err = np.zeros(x.shape[1]), float(y @ y)
-    for mask in range(1, 2 ** x.shape[1]):
-        cols = [j for j in range(x.shape[1]) if mask >> j & 1]
-        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        err = float(np.sum((x[:, cols] @ coef - y) ** 2))
-        if (coef >= 0).all() and err < best_err:
-            best, best_err = np.zeros(x.shape[1]), err
-            best[cols] = coef
-    return [float(c) for c in best]
-
-
-def drafting_file_for(directory: Path, key: dict, method_name: str, method: dict) -> Path:
-    digest = hashlib.sha1(json.dumps(method, sort_keys=True).encode()).hexdigest()[:8]
-    path = file_for(directory, key)
-    return path.with_name(path.name.replace("calibration-", f"drafting-{method_name}-{digest}-"))
 
 
 class _Timed:
@@ -363,20 +177,18 @@ def plot(calibration: Calibration, path: Path) -> None:
 def calibrate(cfg: DictConfig) -> Path:
     """Measure (or reuse) the calibration for ``cfg``'s model, device, dtype and threads, and for a method
     whose drafter has a drafting cost, its drafting calibration; returns the calibration's file."""
-    from evaluation import acceptance  # imports the harness's run loop, which imports this module
-
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     device = models.resolve_device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
     key = machine_key(cfg.model.name, device, dtype)
     directory = resolve_path(cfg.autotree.dir)
-    path = file_for(directory, key)
+    path = calibration_path(directory, key)
     drafting = None
-    if acceptance.drafter_class(cfg.method).drafting_cost:
-        drafting = drafting_file_for(directory, key, cfg.method.name, acceptance.method_key(cfg.method))
-    steps = cfg.calibration.redo or _stale(path, Calibration, key)
-    drafter = drafting is not None and (cfg.calibration.redo or _stale(drafting, DraftingCalibration, key))
+    if drafter_class(cfg.method).drafting_cost:
+        drafting = drafting_path(directory, key, cfg.method.name, method_key(cfg.method))
+    steps = cfg.calibration.redo or stale(path, Calibration, key)
+    drafter = drafting is not None and (cfg.calibration.redo or stale(drafting, DraftingCalibration, key))
     for done in [p for p, todo in ((path, steps), (drafting, drafter)) if p is not None and not todo]:
         print(f"calibrate: reusing {done} (calibration.redo=true measures anew)", file=sys.stderr)
     if not (steps or drafter):
@@ -389,26 +201,7 @@ def calibrate(cfg: DictConfig) -> Path:
     return path
 
 
-def _stale(path: Path, kind: type[Calibration] | type[DraftingCalibration], key: dict) -> bool:
-    """Whether ``path`` must be measured (anew): missing, or made under a key its name does not show."""
-    if not path.is_file():
-        return True
-    diff = key_diff(key, kind.load(path).key)
-    if diff:
-        print(f"calibrate: {path} was made for another setup ({'; '.join(diff)}): measuring anew", file=sys.stderr)
-    return bool(diff)
-
-
-def _write(path: Path, body: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body, indent=1))
-    tmp.replace(path)
-
-
 def _provenance(device: torch.device, started: float, **facts: object) -> dict:
-    from evaluation.run import environment  # the run header's provenance, for the same machine facts
-
     return {**environment(device), **facts, "seconds": round(time.time() - started, 1),
             "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -427,7 +220,7 @@ def _calibrate_steps(cfg: DictConfig, loaded: models.LoadedModel, key: dict, pat
     calibration = Calibration(key=key, contexts=tuple(contexts), sizes=tuple(sizes),
                               step_ms=tuple(map(tuple, step_ms)), forward_ms=tuple(map(tuple, forward_ms)),
                               provenance=_provenance(engine.device, started, repeats=cfg.calibration.repeats))
-    _write(path, calibration.to_json())
+    write_json(path, calibration.to_json())
     plot(calibration, path.with_suffix(".png"))
     outside = [1 - f / s for fs, ss in zip(forward_ms, step_ms) for f, s in zip(fs, ss)]
     print(f"calibrate: engine time outside the forward: {100 * min(outside):.1f}-{100 * max(outside):.1f}% of a "
@@ -435,10 +228,7 @@ def _calibrate_steps(cfg: DictConfig, loaded: models.LoadedModel, key: dict, pat
 
 
 def _calibrate_drafting(cfg: DictConfig, loaded: models.LoadedModel, key: dict, path: Path) -> None:
-    from evaluation import acceptance
-    from evaluation.run import build_drafter
-
-    cls = acceptance.drafter_class(cfg.method)
+    cls = drafter_class(cfg.method)
     vocab = loaded.model.get_output_embeddings().weight.shape[0]
     engine = Engine(loaded.model, set(), time_forward=False)  # no EOS: every generation runs its steps
     trees = drafting_trees(load_template(cls.candidate_tree))
@@ -458,12 +248,12 @@ def _calibrate_drafting(cfg: DictConfig, loaded: models.LoadedModel, key: dict, 
     for paths in trees:
         shape, _ = from_rank_paths(paths)
         shapes.append((max(shape.depth_list), len({p for p in shape.parents if p > 0})))
-    result = DraftingCalibration(key=key, method=acceptance.method_key(cfg.method),
+    result = DraftingCalibration(key=key, method=method_key(cfg.method),
                                  contexts=tuple(contexts), trees=tuple(shapes),
                                  draft_ms=tuple(map(tuple, draft_ms)),
                                  provenance=_provenance(engine.device, started, label=cfg.method.label,
                                                         steps=cfg.calibration.drafting_steps))
-    _write(path, result.to_json())
+    write_json(path, result.to_json())
     fits = ", ".join(f"context {c}: {1000 * f.base:.1f} + {1000 * f.per_level:.1f}/depth + {1000 * f.per_node:.2f}/node ms"
                      for c, f in zip(result.contexts, result.fitted))
     print(f"calibrate: drafting cost {fits}; wrote {path}", file=sys.stderr)
@@ -473,7 +263,7 @@ def _calibrate_drafting(cfg: DictConfig, loaded: models.LoadedModel, key: dict, 
 def main(cfg: DictConfig) -> None:
     try:
         calibrate(cfg)
-    except CalibrationError as err:
+    except StoreError as err:
         sys.exit(f"calibrate: error: {err}")
 
 

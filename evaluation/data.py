@@ -9,20 +9,11 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from evaluation.categories import group_of
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from methods.paths import resolve_path
 
 
 class DataError(ValueError):
     """A question file is missing or malformed; the message names the file and line."""
-
-
-def resolve_path(path: str | Path) -> Path:
-    """Relative paths are taken from the current directory, else from the project root."""
-    path = Path(path).expanduser()
-    if path.is_absolute() or path.exists():
-        return path
-    return PROJECT_ROOT / path
 
 
 def _check(question: Any, where: str) -> dict:

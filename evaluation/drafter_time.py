@@ -19,7 +19,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from evaluation.run import build_drafter
+from evaluation.build import build_drafter
 from methods.drafter import Drafter, Step
 from methods.tree import Draft, TreeShape, chain, interned
 

@@ -24,10 +24,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from evaluation import autotree, models
 from evaluation import data as datasets
+from evaluation import models
 from evaluation.results import ResultLocked
 from evaluation.run import Job
+from evaluation.store import StoreError
 from methods.drafter import DrafterUnfit
 
 
@@ -85,7 +86,7 @@ def main(cfg: DictConfig) -> None:
     shared = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").split("=")[0] != "methods"]
     try:
         interleave(method_configs(list(cfg.methods), shared))
-    except (MethodsError, models.ModelUnavailable, ResultLocked, autotree.AutoTreeError, DrafterUnfit,
+    except (MethodsError, models.ModelUnavailable, ResultLocked, StoreError, DrafterUnfit,
             FileNotFoundError) as err:  # the message says what to do
         sys.exit(f"draftbench: error: {err}")
 

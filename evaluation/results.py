@@ -12,13 +12,51 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import subprocess
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
 from filelock import FileLock, Timeout
 
+from evaluation import models
+from methods.paths import PROJECT_ROOT
+
 SCHEMA = 1
+
+PACKAGES = ("torch", "transformers", "accelerate", "gguf", "hydra-core", "fschat", "draftbench")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    """Where and with what a run was made: recorded in every result header."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "versions": versions,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": models.cpu_model(),
+        "torch_threads": torch.get_num_threads(),
+        "device_name": models.device_name(device),
+        "masked_gqa": models.masked_gqa(device),
+    }
+
 
 # Header keys that may differ between the start of a run and its resumption.
 RESUME_FREE = ("started", "resumed", "run_config")

@@ -13,66 +13,24 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 import uuid
-from importlib import metadata
 from pathlib import Path
 
 import hydra
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from evaluation import autotree, models
 from evaluation import data as datasets
-from evaluation.data import PROJECT_ROOT, resolve_path
-from evaluation.results import ResultFile, ResultLocked
+from evaluation import models
+from evaluation.build import build
+from evaluation.results import ResultFile, ResultLocked, environment
+from evaluation.store import StoreError
 from methods.drafter import Drafter, DrafterUnfit
 from methods.engine import Engine
-
-PACKAGES = ("torch", "transformers", "accelerate", "gguf", "hydra-core", "fschat", "draftbench")
-
-
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def environment(device: torch.device) -> dict:
-    """Where and with what a run was made: recorded in every result header."""
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "versions": versions,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": models.cpu_model(),
-        "torch_threads": torch.get_num_threads(),
-        "device_name": models.device_name(device),
-        "masked_gqa": models.masked_gqa(device),
-    }
-
-
-def build_drafter(method: DictConfig, vocab_size: int, device: torch.device, **overrides: object) -> Drafter:
-    """The drafter a method config names (``_target_``); ``name``/``label`` are the harness's own keys.
-
-    ``overrides`` are constructor arguments that are objects, not config (a TreePlan), so they are
-    passed to the class, not through the config.
-    """
-    params = {k: v for k, v in method.items() if k not in ("name", "label", *overrides)}
-    return instantiate(params, _convert_="all", _partial_=True)(vocab_size=vocab_size, device=device, **overrides)
+from methods.paths import resolve_path
 
 
 def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.LoadedModel, template: str,
@@ -122,17 +80,9 @@ class Job:
             torch.set_num_threads(int(cfg.threads))
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
-        device = models.resolve_device(cfg.device)
-        dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
-        dtype_name = str(dtype).removeprefix("torch.")
-        padding, padding_facts = autotree.padding(cfg, device, dtype)
-        tree = autotree.resolve(cfg, device, dtype, questions, padded=padding is not None)  # missing files fail fast
-        self.loaded = loaded or models.load(cfg.model, device, dtype)
-        vocab_size = self.loaded.model.get_output_embeddings().weight.shape[0]
-        self.drafter = build_drafter(cfg.method, vocab_size, device, **tree)
-        self.drafter.attach(self.loaded.model)  # a drafter that does not fit the model (e.g. a draft head) fails here
-        time_forward = device.type == "cpu" if cfg.time_forward == "auto" else bool(cfg.time_forward)
-        self.engine = Engine(self.loaded.model, self.loaded.eos_token_ids, time_forward=time_forward, padding=padding)
+        built = build(cfg, questions, loaded)
+        self.loaded, self.engine, self.drafter = built.loaded, built.engine, built.drafter
+        device, dtype_name, padding_facts = built.device, built.dtype_name, built.padding
 
         config = OmegaConf.to_container(cfg, resolve=True)
         header = {
@@ -251,7 +201,7 @@ def _summary(records: list[dict], path: Path) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except (models.ModelUnavailable, ResultLocked, autotree.AutoTreeError, DrafterUnfit,
+    except (models.ModelUnavailable, ResultLocked, StoreError, DrafterUnfit,
             FileNotFoundError) as err:  # the message says what to do
         sys.exit(f"draftbench: error: {err}")
 

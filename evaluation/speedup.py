@@ -20,7 +20,7 @@ import pandas as pd
 from evaluation import steps
 from evaluation.analysis import (CHECKED, DEFINITIONS, RATIOS, SETUP_KEYS, ResultError, add_input_arguments,
                                  comparisons_from_args, default_out_dir, setup_name, summarize)
-from evaluation.data import resolve_path
+from methods.paths import resolve_path
 
 # Displayed columns: (header, table column, decimals); a column with a "<name>_std" shows mean ± std.
 COLUMNS = (

@@ -22,7 +22,7 @@ import pandas as pd
 
 from evaluation.analysis import OVERALL, SETUP_KEYS, Comparison
 from evaluation.categories import group_order
-from evaluation.calibrate import Calibration, CalibrationError, file_for
+from evaluation.store import Calibration, calibration_for_run
 
 MAX_DEPTH = 8
 MAX_RANK = 8
@@ -81,21 +81,6 @@ def sources(comparisons: Sequence[Comparison]) -> pd.DataFrame:
     return table[fixed + order].fillna(0.0)  # a source a drafter never used: 0% of its steps
 
 
-def find_calibration(meta: dict | None, directory: Path) -> Calibration | None:
-    """The calibration made on the run's own machine, model, dtype, threads and torch, if there is one."""
-    if not meta:
-        return None
-    key = {"device_name": meta.get("device_name"), "model": meta.get("model"), "dtype": meta.get("dtype"),
-           "threads": meta.get("torch_threads"), "torch": (meta.get("versions") or {}).get("torch")}
-    if None in key.values():
-        return None
-    path = file_for(directory, key)
-    try:
-        return Calibration.load(path) if path.is_file() else None
-    except CalibrationError:
-        return None
-
-
 def _plan_prediction(plan: dict, steps: list, calibration: Calibration) -> tuple[float, float]:
     """Predicted MAT and decode tokens/s of a plan (a tree plan or a per-step policy) at the steps' context lengths."""
     buckets = plan["buckets"]
@@ -130,7 +115,7 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
                "outside_forward": 1 - frame["forward_time"].sum(min_count=len(frame)) / decode_time,
                "calibrated_decode_tokens_per_s": math.nan, "predicted_mat": math.nan,
                "predicted_decode_tokens_per_s": math.nan}
-        calibration = find_calibration(c.run.meta, calibration_dir)
+        calibration = calibration_for_run(c.run.meta, calibration_dir)
         if calibration is not None:
             row["calibrated_decode_tokens_per_s"] = decode_tokens / sum(
                 calibration.seconds(size, context) for context, size, _ in steps)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from pathlib import Path
 from typing import Sequence
 
 import torch
 import yaml
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "conf" / "trees"
+from methods.paths import PROJECT_ROOT
+
+TEMPLATES = PROJECT_ROOT / "conf" / "trees"
 
 
 @dataclass(frozen=True)

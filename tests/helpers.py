@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from evaluation.data import PROJECT_ROOT
+from methods.paths import PROJECT_ROOT
 
 CONF = PROJECT_ROOT / "conf"
 

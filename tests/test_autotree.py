@@ -10,14 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from evaluation import acceptance, analysis, calibrate, plots, speedup, steps
-from evaluation.acceptance import AcceptanceError, collect, count
-from evaluation.autotree import AutoTreeError
-from evaluation.calibrate import Calibration
+from evaluation import acceptance, analysis, calibrate, plots, speedup, steps, store
+from evaluation.acceptance import collect, count
+from evaluation.store import AcceptanceError, AutoTreeError, Calibration
 from evaluation.run import run
 from helpers import config, tiny_checkpoint
 from methods.engine import Engine
-from methods.pld import PromptLookup
 from methods.recycling import TokenRecycling
 from methods.tree import from_rank_paths, load_template
 from methods.tree_search import DraftCost, NodeStats, best_tree, plan
@@ -87,13 +85,13 @@ def test_a_drafting_cost_per_depth_is_weighed_over_every_depth_limit():
 def test_drafting_calibration_fits_its_cost_and_interpolates_it_over_the_context():
     truth = {128: DraftCost(0.004, 0.002, 0.0001), 1024: DraftCost(0.006, 0.003, 0.0001)}
     trees = tuple((d, i) for d, i in [(1, 0), (2, 1), (2, 8), (4, 3), (4, 60), (8, 7), (8, 120)])
-    cal = calibrate.DraftingCalibration(key={}, method={}, contexts=(128, 1024), trees=trees, provenance={},
+    cal = store.DraftingCalibration(key={}, method={}, contexts=(128, 1024), trees=trees, provenance={},
                                         draft_ms=tuple(tuple(1000 * truth[c].seconds(*t) for t in trees) for c in truth))
     for context, cost in truth.items():
         fitted = cal.cost(context)
         assert (fitted.base, fitted.per_level, fitted.per_node) == pytest.approx((cost.base, cost.per_level, cost.per_node))
     assert cal.cost(576).base == pytest.approx(0.005) and cal.cost(1920).base == pytest.approx(0.008)
-    line = calibrate.DraftingCalibration(key={}, method={}, contexts=(128,), trees=trees, provenance={},
+    line = store.DraftingCalibration(key={}, method={}, contexts=(128,), trees=trees, provenance={},
                                          draft_ms=((0.0, 1.5, 1.5, 5.5, 5.5, 13.5, 13.5),))  # crosses zero: -0.5 ms
     fit = line.fitted[0]  # no negative term: the best fit with every cost >= 0
     assert fit.base == 0.0 and fit.per_node >= 0 and fit.per_level == pytest.approx(0.225 / 118, rel=1e-2)
@@ -151,8 +149,8 @@ def test_calibration_interpolates_and_extrapolates_linearly():
 
 
 def test_calibration_fits_step_times_that_never_fall_with_the_context():
-    assert calibrate.isotonic([45, 79, 96, 77, 80, 103]) == pytest.approx((45, 79, 84.333, 84.333, 84.333, 103), abs=1e-3)
-    assert calibrate.isotonic([1, 2, 3]) == (1, 2, 3)
+    assert store.isotonic([45, 79, 96, 77, 80, 103]) == pytest.approx((45, 79, 84.333, 84.333, 84.333, 103), abs=1e-3)
+    assert store.isotonic([1, 2, 3]) == (1, 2, 3)
     # a slow repeat at q=1 for context 300 would make q=2 look nearly free there; along q, cost stays as measured
     cal = Calibration(key={}, contexts=(100, 300, 500), sizes=(1, 2, 3),
                       step_ms=((10.0, 20.0, 18.0), (18.0, 19.0, 19.0), (12.0, 22.0, 21.0)),
@@ -188,12 +186,12 @@ def test_calibration_times_every_size_after_a_step_of_its_own_size(monkeypatch):
 def test_calibration_smooths_one_noisy_context_towards_its_neighbours():
     contexts = (128, 256, 512, 768, 1024, 1536, 2048)
     curve = [50 + 0.01 * c + 4e-6 * c * c for c in contexts]  # a step's time: about linear, a little convex
-    assert calibrate.smooth(contexts, curve) == pytest.approx(curve)
+    assert store.smooth(contexts, curve) == pytest.approx(curve)
     noisy = list(curve)
     noisy[2] *= 1.15  # one slow point
-    fitted = calibrate.smooth(contexts, noisy)
+    fitted = store.smooth(contexts, noisy)
     assert abs(fitted[2] / curve[2] - 1) < 0.08
-    assert calibrate.smooth((128,), (5.0,)) == (5.0,) and calibrate.smooth((1, 3), (2, 4)) == pytest.approx((2, 4))
+    assert store.smooth((128,), (5.0,)) == (5.0,) and store.smooth((1, 3), (2, 4)) == pytest.approx((2, 4))
 
 
 def test_calibration_pads_a_block_to_a_larger_size_that_runs_faster():
@@ -302,7 +300,7 @@ def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, metho
     assert stats_path.stat().st_mtime_ns == mtime and "acceptance: reusing" in capsys.readouterr().err
     for other in ("max_new_tokens=12", "autotree.redo=true"):
         again = config(*tiny["common"], f"data.path={tiny['calib']}", *method, other)
-        assert acceptance._reusable(again, False, {"candidate": stats["candidate"]}) is None
+        assert store.reusable_statistics(again, False, {"candidate": stats["candidate"]}) is None
     # remade after its run's settings changed (a new calibration or commit; here the seed): started anew, not refused
     assert collect(config(*tiny["common"], f"data.path={tiny['calib']}", *method, "autotree.redo=true", "seed=1")) == stats_path
     assert "starting the statistics run anew" in capsys.readouterr().err
@@ -313,7 +311,7 @@ def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, metho
                    f"run.dir={tiny['root'] / 'never'}"))
 
     out = tiny["root"] / "results"
-    drafting_cost = acceptance.drafter_class(config(*method).method).drafting_cost
+    drafting_cost = store.drafter_class(config(*method).method).drafting_cost
     if drafting_cost:  # its drafting time per tree shape is measured too, or tree=auto says how to measure it
         with pytest.raises(AutoTreeError, match=r"python -m evaluation\.calibrate model=hf .* method=eagle"):
             run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"method.{param}=auto",
@@ -361,7 +359,7 @@ def test_sam_falls_back_on_the_tree_chosen_from_token_recyclings_statistics(tiny
     stats_path = collect(config(*tiny["common"], f"data.path={tiny['calib']}", "method=sam"))  # recycling's
     assert stats_path.name.startswith("acceptance-hf-float32-recycling-")
     with pytest.raises(AcceptanceError, match="its statistics are recycling's"):
-        acceptance.tunable(config("method=sam").method)
+        store.tunable(config("method=sam").method)
     out = tiny["root"] / "sam"
     paths = [run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"run.dir={out}"))
              for method in (["method=baseline"], ["method=sam", "method.aux_tree=auto", "method.threshold=2"])]
@@ -378,7 +376,7 @@ def test_sam_mode_auto_chooses_by_match_length_from_its_own_statistics(tiny, tmp
     with pytest.raises(AutoTreeError, match=r"method.mode=auto needs policy statistics .*python -m evaluation\.acceptance .*method=sam"):
         run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"run.dir={tmp_path / 'never'}"))
     stats_path = acceptance.collect_policy(config(*tiny["common"], f"data.path={tiny['calib']}", *method))
-    stats = acceptance.PolicyStats.load(stats_path)
+    stats = store.PolicyStats.load(stats_path)
     assert stats_path.name.startswith("policy-hf-float32-sam-") and stats.score == 32
     assert "threshold" not in stats.key["method"] and "mode" not in stats.key["method"]  # what the policy replaces
     mtime = stats_path.stat().st_mtime_ns  # collected again with the same settings and scored chain: reused
@@ -466,7 +464,7 @@ def test_statistics_for_tree_auto_are_collected_as_for_the_default_tree(tiny, tm
     own = [*tiny["common"], f"autotree.dir={tmp_path}"]
     calibrate.calibrate(config(*own, *cal_cfg, name="calibrate"))
     stats = json.loads(collect(config(*own, f"data.path={tiny['calib']}", "method=recycling", "method.tree=auto")).read_text())
-    assert stats["key"]["method"] == acceptance.method_key(config("method=recycling").method)
+    assert stats["key"]["method"] == store.method_key(config("method=recycling").method)
     assert list((tmp_path / "runs").rglob("recycling-paper-k8-hot-*.jsonl"))  # the first pass verified the default
     assert stats["scored"] == "in the shadow of method.tree=auto"  # the second, the plan made from the first
 

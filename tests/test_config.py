@@ -3,7 +3,7 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from evaluation.run import build_drafter
+from evaluation.build import build_drafter
 from helpers import CONF, config, method_names
 from methods.drafter import Drafter
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from evaluation.categories import group_of
-from evaluation.data import PROJECT_ROOT, DataError, humaneval_questions, read_questions, select
+from evaluation.data import DataError, humaneval_questions, read_questions, select
+from methods.paths import PROJECT_ROOT
 
 SHARED = PROJECT_ROOT.parent / "shared" / "spec_bench" / "question.jsonl"
 

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from conftest import VOCAB, tiny_llama, tiny_qwen2, tiny_qwen3
-from evaluation.run import build_drafter
+from evaluation.build import build_drafter
 from helpers import config
 from methods.drafter import Drafter, Step
 from methods.eagle import Eagle, EagleHead, HeadError, load_head

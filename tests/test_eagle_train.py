@@ -1,4 +1,4 @@
-"""EAGLE head training (methods/eagle/train.py): the data pass against teacher forcing, shards, prompts,
+"""EAGLE head training (evaluation/train_eagle.py): the data pass against teacher forcing, shards, prompts,
 the chain accuracy against drafting from scratch, a resumed training equal to an uninterrupted one, and
 the draft vocabulary's drafting (lossless, and the same drafts as the full vocabulary when it is all of it)."""
 
@@ -16,7 +16,7 @@ from conftest import VOCAB
 from helpers import config, tiny_checkpoint
 from methods.drafter import Drafter
 from methods.eagle import Eagle, EagleHead, HeadError
-from methods.eagle import train as training
+from evaluation import train_eagle as training
 from methods.eagle.data import Example, generate_batch, read_shards, write_shard
 from methods.eagle.head import DRAFT_VOCAB_FILE
 from methods.eagle.prompts import drop_overlap, training_prompts

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from evaluation import models, speedup
-from evaluation.run import build_drafter
+from evaluation.build import build_drafter
 from helpers import CONF, PROJECT_ROOT, tiny_checkpoint
 from methods.drafter import Drafter
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import VOCAB
-from evaluation.run import build_drafter
+from evaluation.build import build_drafter
 from helpers import config
 from methods.drafter import Drafter
 from methods.engine import Engine

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import VOCAB
 from evaluation import analysis, speedup, steps
 from evaluation.categories import group_of
-from evaluation.run import build_drafter
+from evaluation.build import build_drafter
 from helpers import config
 from methods.drafter import Drafter
 from methods.engine import Engine

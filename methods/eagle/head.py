@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedModel, PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
-from evaluation.data import resolve_path
 from methods.drafter import DrafterUnfit
 from methods.engine import cache_keyword
+from methods.paths import resolve_path
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"

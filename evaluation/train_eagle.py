@@ -1,4 +1,7 @@
-"""Train an EAGLE-1 head for a target, self-distilled, on this machine: ``python -m methods.eagle.train``.
+"""Train an EAGLE-1 head for a target, self-distilled, on this machine: ``python -m evaluation.train_eagle``.
+
+It sits beside the evaluation code because it runs the target through the harness's model loading and question
+sets; the head, its data pass and its prompts are in :mod:`methods.eagle`.
 
 Stages, each resumable (rerun the same command after an interruption):
 
@@ -31,10 +34,11 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from evaluation import models
-from evaluation.data import DataError, humaneval_questions, read_questions, resolve_path
+from evaluation.data import DataError, humaneval_questions, read_questions
 from methods.eagle.data import Example, generate_batch, read_shards, write_shard
 from methods.eagle.head import EagleHead
 from methods.eagle.prompts import drop_overlap, training_prompts
+from methods.paths import resolve_path
 
 
 def _log(message: str) -> None:
@@ -325,7 +329,7 @@ def run(cfg: DictConfig) -> Path:
     return out
 
 
-@hydra.main(version_base=None, config_path="../../conf", config_name="train_eagle")
+@hydra.main(version_base=None, config_path="../conf", config_name="train_eagle")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 
