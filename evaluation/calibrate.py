@@ -34,7 +34,6 @@ from typing import Callable, Sequence
 import hydra
 import torch
 from omegaconf import DictConfig
-from transformers import DynamicCache
 
 from evaluation import models
 from evaluation.build import build_drafter
@@ -58,10 +57,11 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
     shapes = {q: from_rank_paths(candidate[: q - 1])[0] for q in sizes if q > 1}
     step_ms, forward_ms = [], []
     for context in contexts:
-        cache = DynamicCache()
+        cache = engine.new_cache(context + max(sizes))
         prefix = torch.randint(vocab, (1, context), generator=gen).to(engine.device)
         with torch.inference_mode():
             engine.model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{engine.cache_kw: cache})
+        cache.commit(context)
         drafts = {q: None if q == 1 else Draft(torch.randint(vocab, (q - 1,), generator=gen).to(engine.device), shapes[q])
                   for q in sizes}
         totals: dict[int, list[float]] = {q: [] for q in sizes}
@@ -75,7 +75,7 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
             for q in sizes:
                 with torch.inference_mode():
                     engine.verify(int(prefix[0, -1]), context, drafts[q], cache)
-                Engine.truncate(cache, context)
+                cache.commit(context)
                 engine.forward_time = 0.0
                 engine.sync()
                 start = time.perf_counter()
@@ -85,7 +85,7 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
                 if r:
                     totals[q].append(1000 * (time.perf_counter() - start))
                     inner[q].append(1000 * engine.forward_time)
-                Engine.truncate(cache, context)
+                cache.commit(context)
         steps = [statistics.median(totals[q]) for q in sizes]
         forwards = [statistics.median(inner[q]) for q in sizes]
         if progress:

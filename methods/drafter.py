@@ -36,6 +36,8 @@ class Step:
     path_ranks: list[int]  # sibling rank (TreeShape.sibling_ranks) of every accepted draft node, by depth
     emitted: list[int]  # tokens this step added to the output (accepted drafts + bonus, after stops)
     hidden_states: torch.Tensor | None  # [size, len(hidden_layers) x hidden]: the layers the drafter asked for
+    fed: int = 0  # tokens fed to the forward (the block and its padding)
+    seconds: float = 0.0  # wall time of the step as the engine ran it (propose, forward, acceptance, KV compaction)
 
 
 class Drafter:

@@ -29,9 +29,10 @@ from functools import lru_cache
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from methods.drafter import Drafter, Step
+from methods.kv import SlabCache
 from methods.tree import Draft, TreeShape, chain
 
 
@@ -79,7 +80,7 @@ def padded(shape: TreeShape, extra: int) -> TreeShape:
 
 
 class PromptTooLong(ValueError):
-    """The prompt leaves no room for generation within the model's context length."""
+    """The prompt alone fills the model's context: no room for an answer."""
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Generation:
     decode_time: float = 0.0  # seconds: all decode steps
     forward_time: float | None = None  # seconds of decode_time inside the model forward (when timed)
     drafter_stats: dict = field(default_factory=dict)  # Drafter.finish(): the drafter's own counters
+    end: str = ""  # why the answer ended: "stop" (a stop token), "budget" (max_new_tokens) or "context" (the model's)
 
     @property
     def wall_time(self) -> float:
@@ -128,10 +130,12 @@ class Engine:
         if unknown:
             raise NotImplementedError(f"draftbench's tree masks support full and sliding attention, not {sorted(unknown)}")
         # Sliding-window layers get their own windowed mask; every layer's cache keeps the whole
-        # prefix (a plain DynamicLayer), so accepted entries can always be gathered into place.
+        # prefix (methods.kv), so accepted entries can always be gathered into place.
         self.window = config.sliding_window if "sliding_attention" in layer_types else None
         self._mask = torch.zeros(0, 0, dtype=self.dtype, device=self.device)  # zero outside the live block
-        self._root = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._root = torch.zeros(1, dtype=torch.long, device=self.device)  # the next step's root token
+        self.layers = config.num_hidden_layers
+        self._cache: SlabCache | None = None  # reused from one generation to the next
         self._pad = torch.zeros(max(map(max, padding.sizes)) if padding else 0,
                                 dtype=torch.long, device=self.device)  # padding tokens' ids (any will do)
 
@@ -139,18 +143,29 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def new_cache(self, capacity: int = 0) -> SlabCache:
+        """An empty KV cache for this model, with room for ``capacity`` positions to begin with."""
+        return SlabCache(self.layers, capacity)
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int) -> Generation:
-        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids``, verifying ``drafter``'s drafts."""
+        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids``, verifying ``drafter``'s drafts.
+
+        The answer ends at the first stop token, at ``max_new_tokens``, or where prompt + answer fill the model's
+        context (``max_length``), by the same rule for every method; :attr:`Generation.end` says which.
+        """
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if self.max_length is not None and len(prompt_ids) + max_new_tokens > self.max_length:
-            raise PromptTooLong(
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                f"context of {self.max_length} tokens"
-            )
+        if self.max_length is not None and len(prompt_ids) >= self.max_length:
+            raise PromptTooLong(f"a prompt of {len(prompt_ids)} tokens leaves no room for an answer within the "
+                                f"model's context of {self.max_length} tokens")
+        limit = len(prompt_ids) + max_new_tokens if self.max_length is None else min(
+            len(prompt_ids) + max_new_tokens, self.max_length)  # the longest prompt + answer
         drafter.attach(self.model)
-        cache = DynamicCache()
+        if self._cache is None:
+            self._cache = self.new_cache(limit + 64)
+        cache = self._cache
+        cache.commit(0)
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         self.sync()
         start = time.perf_counter()
@@ -162,8 +177,10 @@ class Engine:
             output_hidden_states=list(layers) if layers else False,
             **{self.cache_kw: cache},
         )
+        cache.commit(len(prompt_ids))
         logits = out.logits[0]
-        first = int(logits[-1].argmax())
+        first = int(logits[-1].argmax())  # the prefill's one host sync
+        self._root.fill_(first)
         drafter.reset(prompt, logits if drafter.needs_prefill_logits else None, self._hidden(out, layers))
         self.sync()
         gen = Generation(output_ids=[first])
@@ -171,23 +188,24 @@ class Engine:
 
         ids = list(prompt_ids) + [first]
         self.forward_time = 0.0
-        start = time.perf_counter()
-        while first not in self.eos and len(gen.output_ids) < max_new_tokens:
+        start = mark = time.perf_counter()
+        while ids[-1] not in self.eos and len(ids) < limit:
             draft = drafter.propose(ids)
-            step = self.verify(ids[-1], len(ids) - 1, draft, cache, layers)
-            emitted = self._stop(step.emitted, max_new_tokens - len(gen.output_ids))
-            step.emitted = emitted
+            step = self.verify(None, len(ids) - 1, draft, cache, layers)
+            step.emitted = self._stop(step.emitted, limit - len(ids))
+            now = time.perf_counter()
+            step.seconds, mark = now - mark, now
+            emitted = step.emitted
             gen.output_ids += emitted
             gen.accept_lengths.append(len(emitted))
             gen.accept_paths.append(step.path_ranks[: len(emitted)])  # a budget cut may drop the bonus first
-            gen.block_sizes.append(self.fed_size(step.shape.size, step.position))
+            gen.block_sizes.append(step.fed)
             ids += emitted
             drafter.observe(step)
-            if emitted[-1] in self.eos:
-                break
         self.sync()
         gen.decode_time = time.perf_counter() - start
         gen.forward_time = self.forward_time if self.time_forward else None
+        gen.end = "stop" if ids[-1] in self.eos else "budget" if len(gen.output_ids) >= max_new_tokens else "context"
         gen.drafter_stats = drafter.finish()
         return gen
 
@@ -203,26 +221,36 @@ class Engine:
                 return emitted[: i + 1]
         return emitted
 
-    def verify(self, root: int, position: int, draft: Draft | None, cache: DynamicCache,
+    def verify(self, root: int | None, position: int, draft: Draft | None, cache: SlabCache,
                hidden_layers: Sequence[int] = ()) -> Step:
         """One step: verify ``draft`` after ``root`` (at ``position``) in one forward and keep the accepted KV;
-        ``hidden_layers``: the hidden states to hand over in the step (:attr:`Drafter.hidden_layers`)."""
+        ``root=None``: the token the previous step ended with, already on the device (no host write);
+        ``hidden_layers``: the hidden states to hand over in the step (:attr:`Drafter.hidden_layers`).
+
+        Everything stays on the device until the one host read of the step: the accepted path and the bonus token.
+        """
         shape: TreeShape = draft.shape if draft is not None else chain(0)
         buf = shape.buffers(self.device, self.dtype)
-        self._root.fill_(root)
-        block = self._root if draft is None else torch.cat([self._root, draft.tokens])  # [size]
+        if root is not None:
+            self._root.fill_(root)
+        block = self._root.clone() if draft is None else torch.cat([self._root, draft.tokens])  # [size]
         size, n1 = shape.size, shape.n_nodes
         fed, fed_block = shape, block
         extra = self.fed_size(size, position) - size
         if extra:
             fed, fed_block = padded(shape, extra), torch.cat([block, self._pad[:extra]])
         fed_buf = fed.buffers(self.device, self.dtype)
+        positions = fed_buf.depths + position
+        if self.max_length is not None and position + fed.size > self.max_length:
+            # nodes past the context are never emitted (the answer ends there); keeping their positions inside it
+            # keeps every position-dependent computation (e.g. dynamic RoPE scaling) as in plain decoding
+            positions = positions.clamp(max=self.max_length - 1)
         if self.time_forward:
             self.sync()
             start = time.perf_counter()
         out = self.model(
             input_ids=fed_block[None],
-            position_ids=(fed_buf.depths + position)[None],
+            position_ids=positions[None],
             attention_mask=None if fed.is_chain else self._attention_mask(fed, fed_buf.mask_block, position),
             use_cache=True,
             output_hidden_states=list(hidden_layers) if hidden_layers else False,
@@ -232,7 +260,7 @@ class Engine:
             self.sync()
             self.forward_time += time.perf_counter() - start
         if not fed.is_chain:
-            self._mask[: fed.size, position : position + fed.size] = 0  # restore the all-zero invariant
+            self._mask[: fed.size, position : position + fed.size].zero_()  # restore the all-zero invariant
         logits = out.logits[0, :size]  # [size, V]: padding rows dropped
         pred = logits.argmax(-1)  # [size]
 
@@ -241,12 +269,17 @@ class Engine:
         correct = torch.ones(n1, dtype=torch.bool, device=self.device)
         correct[1:] = block[1:n1] == pred[buf.parents]
         accepted = ~(buf.ancestors & ~correct).any(-1)  # [n1]
-        best = torch.where(accepted, buf.depths[:n1], -1).argmax()
-        picked = torch.cat([best[None], block[buf.paths[best]], pred[best][None]]).tolist()  # the one host sync
+        best = torch.where(accepted, buf.depths[:n1], -1).argmax().view(1)  # [1]: a 1-element index reads no host
+        path_ids = buf.paths.index_select(0, best)[0]  # [max depth + 1], padded with the node itself
+        self._root.copy_(pred.index_select(0, best))  # the bonus token: the next step's root, on the device
+        picked = torch.cat([best, block.index_select(0, path_ids), self._root]).tolist()  # the one host sync
         best_i = picked[0]
         length = shape.depth_list[best_i] + 1  # root + accepted nodes
         path = buf.paths[best_i, :length]
-        self._keep(cache, position, path, length, contiguous=shape.paths[best_i][-1] == length - 1)
+        if shape.paths[best_i][-1] == length - 1:  # the accepted nodes already follow the root
+            cache.commit(position + length)
+        else:
+            cache.keep(position, path)
         return Step(
             position=position,
             shape=shape,
@@ -257,6 +290,7 @@ class Engine:
             path_ranks=[shape.sibling_ranks[i] for i in shape.paths[best_i][1:]],
             emitted=picked[2 : 1 + length] + [picked[-1]],
             hidden_states=self._hidden(out, hidden_layers, size),
+            fed=fed.size,
         )
 
     @staticmethod
@@ -289,20 +323,3 @@ class Engine:
         keys = torch.arange(mask.shape[-1], device=self.device)
         outside = keys[None, :] <= (position + depths)[:, None] - self.window  # block keys sit inside the window
         return mask.masked_fill(outside[None, None], self._min)
-
-    @staticmethod
-    def _keep(cache: DynamicCache, position: int, path: torch.Tensor, length: int, contiguous: bool) -> None:
-        """Keep the accepted path's KV entries at positions ``position ..`` and drop the rest of the block."""
-        end = position + length
-        if not contiguous:
-            for layer in cache.layers:
-                layer.keys[:, :, position:end] = layer.keys[:, :, position + path]
-                layer.values[:, :, position:end] = layer.values[:, :, position + path]
-        Engine.truncate(cache, end)
-
-    @staticmethod
-    def truncate(cache: DynamicCache, length: int) -> None:
-        """Drop every cached position from ``length`` on (views: no copy)."""
-        for layer in cache.layers:
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]

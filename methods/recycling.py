@@ -66,6 +66,7 @@ class TokenRecycling(Drafter):
             self._shadow_tokens = torch.zeros(shape.n_nodes, dtype=torch.long, device=self.device)
         n1 = max((shape.n_nodes for shape, _ in self.trees if shape is not None), default=1)
         self._tokens = torch.zeros(n1, dtype=torch.long, device=self.device)  # [root, nodes]
+        self._root: torch.Tensor | None = None  # the next root, on the device: the last step's bonus token
 
     def _tree(self, paths: Sequence[Sequence[int]], k: int) -> tuple[TreeShape | None, list]:
         """A template's shape and one (parents, ranks, slice) triple per depth: the fill is one gather per depth."""
@@ -85,6 +86,7 @@ class TokenRecycling(Drafter):
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
               prefill_hidden: torch.Tensor | None = None) -> None:
+        self._root = None
         if self.start == "cold":
             self.matrix.zero_()
             self._write(prompt, prefill_logits, priority=torch.arange(len(prompt), device=prompt.device))
@@ -98,8 +100,12 @@ class TokenRecycling(Drafter):
         return Draft(self._fill(self._tokens, levels, ids[-1])[1 : shape.n_nodes], shape)
 
     def _fill(self, tokens: torch.Tensor, levels: list, root: int) -> torch.Tensor:
-        """``tokens`` = [root, nodes] with node = M[parent's token, node's rank], breadth first."""
-        tokens[0] = root
+        """``tokens`` = [root, nodes] with node = M[parent's token, node's rank], breadth first. The root comes from
+        the device (the last step's bonus token) except at a generation's first step: no host write per step."""
+        if self._root is None:
+            tokens[:1].fill_(root)
+        else:
+            tokens[:1].copy_(self._root)
         for parents, ranks, nodes in levels:
             tokens[nodes] = self.matrix[tokens[parents], ranks].long()
         return tokens
@@ -111,6 +117,7 @@ class TokenRecycling(Drafter):
         if self.shadow is not None:
             self.shadow.emitted(step.emitted)
         n1 = step.shape.n_nodes
+        self._root = step.predictions.index_select(0, step.accepted[-1:])  # the bonus token: the next root
         priority = torch.arange(n1, device=step.tokens.device)
         priority[step.accepted] += n1
         self._write(step.tokens[:n1], step.logits[:n1], priority)

@@ -197,9 +197,26 @@ def test_step_reports_accepted_path_and_logits():
         assert step.emitted[: len(accepted_tokens)] == accepted_tokens
 
 
-def test_prompt_longer_than_context_is_a_clear_error():
-    with pytest.raises(PromptTooLong, match="exceeds the model's context of 512"):
-        Engine(MODELS["llama"], set()).generate([1] * 500, Drafter(VOCAB), 20)
+def test_a_prompt_that_fills_the_context_is_a_clear_error():
+    with pytest.raises(PromptTooLong, match="a prompt of 512 tokens leaves no room for an answer within the model's "
+                                            "context of 512 tokens"):
+        Engine(MODELS["llama"], set()).generate([1] * 512, Drafter(VOCAB), 20)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("seed", range(3))
+def test_an_answer_ends_at_the_context_by_the_same_rule_for_every_drafter(name, seed):
+    """Spec-Bench's long prompts: the answer stops where prompt + answer fill the model's 512 positions, whatever
+    was drafted beyond them (draft nodes past the context are verified at clamped positions, never emitted)."""
+    model = MODELS[name]
+    prompt = [random.Random(seed).randrange(VOCAB) for _ in range(500)]
+    base = Engine(model, set()).generate(prompt, Drafter(VOCAB), 20)
+    assert len(base.output_ids) == 12 and base.end == "context"
+    reference = base.output_ids + [0] * 20
+    gen = Engine(model, set()).generate(prompt, RandomTrees(reference, len(prompt), seed, hit=0.8, extras=True), 20)
+    assert gen.output_ids == base.output_ids and gen.end == "context"
+    short = Engine(model, set()).generate(prompt[:100], Drafter(VOCAB), 20)
+    assert len(short.output_ids) == 20 and short.end == "budget"
 
 
 def test_max_new_tokens_must_be_positive():

@@ -31,7 +31,6 @@ from transformers import DynamicCache, PreTrainedModel
 
 from methods.drafter import Drafter, Step
 from methods.eagle.head import Eagle3Head, EagleHead, HeadError, load_draft_vocab, load_head
-from methods.engine import Engine
 from methods.tree import Draft, from_rank_paths, interned, load_template
 from methods.tree_search import TreePlan, fixed
 
@@ -133,10 +132,14 @@ class Eagle(Drafter):
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
               prefill_hidden: torch.Tensor | None = None) -> None:
         self.cache, self.cached, self.features = DynamicCache(), 0, [prefill_hidden]
+        self.tokens = [prompt[1:]]  # the tokens after each fed feature, on the device (the first answer token: later)
 
     def observe(self, step: Step) -> None:
-        # the features of the root and the accepted nodes whose next token was emitted (a stop may cut some)
-        self.features.append(step.hidden_states[step.accepted[: len(step.emitted)]])
+        # the features of the root and the accepted nodes whose next token was emitted (a stop may cut some),
+        # and those next tokens, taken on the device: the accepted nodes and the bonus token
+        n = len(step.emitted)
+        self.features.append(step.hidden_states[step.accepted[:n]])
+        self.tokens.append(torch.cat([step.tokens[step.accepted[1:]], step.predictions[step.accepted[-1:]]])[:n])
 
     @torch.inference_mode()
     def propose(self, ids: list[int]) -> Draft | None:
@@ -146,7 +149,7 @@ class Eagle(Drafter):
         last = self._catch_up(ids)  # the head's prediction of the root's feature
         logp = self._logp(last)  # [N]: the first draft token's, over the draft vocabulary
         draft = self._dynamic(logp, last) if template is None else self._fill(logp, ids[-1], last, template)
-        Engine.truncate(self.cache, self.cached)  # drop the tree's entries: the context's stay
+        self.cache.crop(self.cached - self.cache.get_seq_length())  # drop the tree's entries: the context's stay
         return draft
 
     def _catch_up(self, ids: list[int]) -> torch.Tensor:
@@ -156,7 +159,10 @@ class Eagle(Drafter):
         start, q = self.cached, features.shape[0]
         if start + q != len(ids) - 1:
             raise RuntimeError(f"EAGLE: {start + q} features for a context of {len(ids) - 1} tokens")
-        tokens = torch.tensor(ids[start + 1 :], device=self.device)
+        if start == 0:  # the answer's first token came from the prefill: the one host write per generation
+            self.tokens.append(torch.tensor(ids[len(ids) - 1 :], device=self.device))
+        tokens = torch.cat(self.tokens) if len(self.tokens) > 1 else self.tokens[0]
+        self.tokens = []
         positions = torch.arange(start, start + q, device=self.device)
         mask = None
         if q > 1:
@@ -192,7 +198,7 @@ class Eagle(Drafter):
         """A static template (:meth:`_levels`), filled depth by depth from the head's ranked predictions."""
         shape, levels, width = template
         tokens = torch.empty(shape.n_nodes, dtype=torch.long, device=self.device)
-        tokens[0] = root
+        tokens[:1].fill_(root)
         fed_out = root_out.new_empty(0, root_out.shape[-1])  # outputs of the fed nodes, in feeding order
         for d, (nodes, rows, visible, children, parent_rows, ranks) in enumerate(levels):
             if d == 0:
