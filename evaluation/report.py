@@ -39,11 +39,11 @@ from omegaconf.errors import OmegaConfBaseException
 from evaluation import equal, plots, speedup, steps
 from evaluation.analysis import (CHECKED, RATIOS, UNKNOWN, Comparison, ResultError, Run, add_input_arguments,
                                  comparisons_from_args, default_out_dir, rates, setup_name, summarize)
-from evaluation.data import PROJECT_ROOT, resolve_path
+from evaluation.data import resolve_path
 
 FILES_DIR = "report_files"  # the PNGs of report.md, beside it
 MAX_LISTED = 5  # mismatches, failed questions, ... listed per run; the rest are counted
-CONF = PROJECT_ROOT / "conf"
+CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "method", "data")  # config groups: a run names its choice (model=NAME), then overrides keys
 RUN_KEYS = ("dir", "id")  # of the header's run_config: what the command needs to write the same file
 _MISSING = object()
