@@ -5,7 +5,9 @@
 # question (SCHEDULE=interleaved, the default) or run one after another (SCHEDULE=sequential).
 # TORCH is what pip installs for torch first: the CPU wheel by default; TORCH= keeps the torch you have (CUDA users).
 #   make bench EXPERIMENT=readme_cpu   runs every job of conf/experiment/readme_cpu.yaml into $(RUN_DIR)/readme_cpu,
-#                                      then the speedup table and plots (ARGS: extra Hydra overrides, e.g. a launcher).
+#                                      then the speedup table and the report (ARGS: extra Hydra overrides, e.g. a launcher).
+# Every bench ends by printing the speedup table and writing the report (evaluation.report: report.md with its plots,
+# report.html, report.json) into the run's folder, and prints the paths it wrote.
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -82,12 +84,12 @@ bench: $(STAMP) $(if $(or $(EXPERIMENT),$(filter spec_bench,$(DATA))),data) $(if
 ifdef EXPERIMENT
 	$(PY) -m evaluation.run -m +experiment=$(EXPERIMENT) run.dir=$(RUN_DIR)/$(EXPERIMENT) $(ARGS)
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(EXPERIMENT)
-	$(PY) -m evaluation.plots $(RUN_DIR)/$(EXPERIMENT)
+	$(PY) -m evaluation.report $(RUN_DIR)/$(EXPERIMENT)
 else ifeq ($(SCHEDULE),interleaved)
 	$(PY) -m evaluation.interleave model=$(MODEL) 'methods=$(METHOD_LIST)' data=$(DATA) max_new_tokens=$(TOKENS) \
 		run.dir=$(RUN_DIR) $(ARGS)
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(MODEL)/$(DATA)
-	$(PY) -m evaluation.plots $(RUN_DIR)/$(MODEL)/$(DATA)
+	$(PY) -m evaluation.report $(RUN_DIR)/$(MODEL)/$(DATA)
 else
 	@set -e; for m in $(METHODS); do \
 		name=$${m%%:*}; opts=""; \
@@ -96,7 +98,7 @@ else
 		$(PY) -m evaluation.run model=$(MODEL) method=$$name $$opts data=$(DATA) max_new_tokens=$(TOKENS) run.dir=$(RUN_DIR) $(ARGS); \
 	done
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(MODEL)/$(DATA)
-	$(PY) -m evaluation.plots $(RUN_DIR)/$(MODEL)/$(DATA)
+	$(PY) -m evaluation.report $(RUN_DIR)/$(MODEL)/$(DATA)
 endif
 
 # Our baseline loop against transformers' model.generate on the same prompts, in one run (a benchmark, not a test).

@@ -53,7 +53,7 @@ NOT_CHECKED = "not checked (no .meta.json)"
 # Per question, summed over turns; NaN where the record is an error or a Spec-Bench file lacks the field.
 COLUMNS = ("category", "group", "error", "n_turns", "tokens", "wall_time", "decode_tokens", "decode_time",
            "prefill_time", "forward_time", "accept_sum", "accept_steps", "accept_lengths", "steps", "sources",
-           "output_ids", "turns")
+           "plan_changes", "output_ids", "turns")
 
 # Spec-Bench's question.jsonl: 81-160 MT-bench (ten per category, in MT_BENCH order), then 80 per task.
 _SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -207,6 +207,7 @@ def _question_row(rec: dict, categories: dict[int, str]) -> dict:
         "accept_lengths": list(accepts or []),
         "steps": step_records(choice),
         "sources": draft_sources(choice),
+        "plan_changes": plan_changes(choice),
         "output_ids": ids,
         "turns": list(choice.get("turns", [])),
     }
@@ -219,6 +220,13 @@ def draft_sources(choice: dict) -> dict[str, int]:
         for source, n in stats.get("sources", {}).items():
             total[source] = total.get(source, 0) + n
     return total
+
+
+def plan_changes(choice: dict) -> float:
+    """How often the drafter changed its plan (``drafter_stats[].plan_changes``), summed over turns; NaN where
+    no turn records it (a drafter without a plan, or a file written before the field)."""
+    counts = [len(stats["plan_changes"]) for stats in choice.get("drafter_stats", []) if "plan_changes" in stats]
+    return float(sum(counts)) if counts else math.nan
 
 
 def step_records(choice: dict) -> list[tuple[int, int, list[int]]]:

@@ -169,6 +169,23 @@ def format_report(report: EqualityReport, setup: str) -> str:
     return "\n".join(lines)
 
 
+def records(pairs: Sequence[tuple[Comparison, EqualityReport]]) -> list[dict]:
+    """The reports as JSON-ready records (what --json prints)."""
+    return [{**asdict(r), "ok": r.ok} for _, r in pairs]
+
+
+def summarize(pairs: Sequence[tuple[Comparison, EqualityReport]]) -> str:
+    """One line: all identical, or how many runs differ and how."""
+    bad = [r for _, r in pairs if not r.ok]
+    if not pairs:
+        return "nothing to check: no run besides the baselines' reference runs"
+    if bad:
+        return (f"{len(bad)} of {len(pairs)} runs differ from their baseline: "
+                f"{sum(len(r.mismatches) for r in bad)} mismatched turns, "
+                f"{sum(len(r.missing) for r in bad)} missing and {sum(len(r.errors) for r in bad)} failed questions")
+    return f"all answers identical in {len(pairs)} runs"
+
+
 def main(argv: Sequence[str] | None = None,
          decoder_factory: Callable[[dict | None], Decoder] = tokenizer_decoder) -> int:
     parser = argparse.ArgumentParser(prog="python -m evaluation.equal", description=DESCRIPTION,
@@ -188,20 +205,11 @@ def main(argv: Sequence[str] | None = None,
         print(f"equal: {note}", file=sys.stderr)
     pairs = check(comparisons, decoder_factory)
     if args.json:
-        print(json.dumps([{**asdict(r), "ok": r.ok} for _, r in pairs], indent=1))
+        print(json.dumps(records(pairs), indent=1))
     else:
         print("\n".join(format_report(r, setup_name(c.setup)) for c, r in pairs))
-    bad = [r for _, r in pairs if not r.ok]
-    if not pairs:
-        summary = "nothing to check: no run besides the baselines' reference runs"
-    elif bad:
-        summary = (f"{len(bad)} of {len(pairs)} runs differ from their baseline: "
-                   f"{sum(len(r.mismatches) for r in bad)} mismatched turns, "
-                   f"{sum(len(r.missing) for r in bad)} missing and {sum(len(r.errors) for r in bad)} failed questions")
-    else:
-        summary = f"all answers identical in {len(pairs)} runs"
-    print(f"equal: {summary}", file=sys.stderr)
-    return 1 if args.strict and (bad or not pairs) else 0
+    print(f"equal: {summarize(pairs)}", file=sys.stderr)
+    return 1 if args.strict and (not pairs or any(not r.ok for _, r in pairs)) else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import re
 import textwrap
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -151,31 +151,43 @@ def acceptance_plot(accepted: pd.DataFrame, title: str = "") -> Figure:
     return fig
 
 
-def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
-    """``name``.png and ``name``.svg under ``out_dir`` (the SVG without a date, so reruns are byte-stable)."""
+FORMATS = ("png", "svg")
+TITLES = {"speedup_by_group": "Speedup per category group", "mat_vs_speedup": "MAT vs speedup",
+          "accept_lengths": "Accepted length per step", "acceptance": "Acceptance by depth and rank"}
+
+
+def save(fig: Figure, out_dir: Path, name: str, formats: Sequence[str] = FORMATS) -> list[Path]:
+    """``name``.png and/or ``name``.svg under ``out_dir`` (the SVG without a date, so reruns are byte-stable)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    png, svg = out_dir / f"{name}.png", out_dir / f"{name}.svg"
-    fig.savefig(png, dpi=150)
-    fig.savefig(svg, metadata={"Date": None})
-    return [png, svg]
+    paths = [out_dir / f"{name}.{ext}" for ext in formats]
+    for path in paths:
+        fig.savefig(path, **({"dpi": 150} if path.suffix == ".png" else {"metadata": {"Date": None}}))
+    return paths
 
 
-def plot_all(table: pd.DataFrame, comparisons: Sequence[Comparison], out_dir: Path) -> list[Path]:
-    """Every plot for every setup in ``table``."""
+def figures(table: pd.DataFrame, comparisons: Sequence[Comparison]) -> Iterator[tuple[str, str, Figure]]:
+    """(file stem, title, figure) of every plot for every setup in ``table``; the stem is suffixed with the
+    setup when there are several."""
     setups = list(table.groupby(list(SETUP_KEYS), sort=False))
-    paths = []
     for setup, part in setups:
         name = setup_name(setup)
         suffix = "" if len(setups) == 1 else "-" + re.sub(r"[^A-Za-z0-9.]+", "_", "-".join(setup))
         mine = [c for c in comparisons if c.setup == tuple(setup)]
         accepted = steps.acceptance(mine)
-        figures = {"speedup_by_group": speedup_by_group(part, f"Speedup per category group\n{name}"),
-                   "mat_vs_speedup": mat_vs_speedup(part, f"MAT vs speedup\n{name}"),
-                   "accept_lengths": accept_length_hist(mine, f"Accepted length per step\n{name}")}
+        draw = {"speedup_by_group": lambda title: speedup_by_group(part, title),
+                "mat_vs_speedup": lambda title: mat_vs_speedup(part, title),
+                "accept_lengths": lambda title: accept_length_hist(mine, title)}
         if not accepted.empty:
-            figures["acceptance"] = acceptance_plot(accepted, f"Acceptance by depth and rank\n{name}")
-        paths += [path for stem, fig in figures.items() for path in save(fig, out_dir, stem + suffix)]
-    return paths
+            draw["acceptance"] = lambda title: acceptance_plot(accepted, title)
+        for stem, plot in draw.items():
+            title = f"{TITLES[stem]}\n{name}"
+            yield stem + suffix, title, plot(title)
+
+
+def plot_all(table: pd.DataFrame, comparisons: Sequence[Comparison], out_dir: Path,
+             formats: Sequence[str] = FORMATS) -> list[Path]:
+    """Every plot for every setup in ``table``."""
+    return [path for stem, _, fig in figures(table, comparisons) for path in save(fig, out_dir, stem, formats)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,7 @@ RATIO_TEXT = {
 }
 
 
-def _number(value: float, decimals: int) -> str:
+def number(value: float, decimals: int) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.{decimals}f}"
 
 
@@ -61,10 +61,10 @@ def display_rows(table: pd.DataFrame) -> list[list[str]]:
             if decimals is None:
                 cell = str(row[column]) + ("*" if column == "label" and row["provenance"] != CHECKED else "")
             else:
-                cell = _number(row[column], decimals)
+                cell = number(row[column], decimals)
                 std = row.get(f"{column}_std")
                 if std is not None and not math.isnan(std) and row["n_runs"] > 1:
-                    cell += f" ± {_number(std, decimals)}" + (NOISY if noisy(row, column) else "")
+                    cell += f" ± {number(std, decimals)}" + (NOISY if noisy(row, column) else "")
             cells.append(cell)
         rows.append(cells)
     return rows
@@ -100,36 +100,58 @@ def render_latex(headers: Sequence[str], rows: list[list[str]]) -> str:
                       *(line(r) for r in rows), r"\bottomrule", r"\end{tabular}"])
 
 
-def _sections(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+def sections(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     """One section per setup and platform (the hardware its rows were measured on)."""
     return [(f"{setup_name(key[:-1])} on {key[-1]}", part)
             for key, part in table.groupby([*SETUP_KEYS, "platform"], sort=False)]
+
+
+def timed_apart(part: pd.DataFrame) -> list[str]:
+    """The methods (labels) not timed in turn with their baseline: a drift in the machine's speed enters their
+    speedup."""
+    methods = part.loc[~part["reference"]]
+    return list(dict.fromkeys(methods.loc[~methods["in_turn"], "label"]))
+
+
+def unchecked(part: pd.DataFrame) -> list[tuple[str, str]]:
+    """(label, provenance) of the rows marked "*": their provenance was not (fully) checked."""
+    rows = part.loc[part["provenance"] != CHECKED, ["label", "provenance"]].drop_duplicates()
+    return list(rows.itertuples(index=False, name=None))
+
+
+def noisy_rows(part: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """(label, group, column) of every speedup marked NOISY."""
+    return [(row["label"], row["group"], column) for _, row in part.iterrows() for column in NOISY_COLUMNS
+            if noisy(row, column)]
 
 
 def _notes(part: pd.DataFrame) -> list[str]:
     baselines = ", ".join(dict.fromkeys(part["baseline"]))
     notes = [f"baseline: {baselines}; {RATIO_TEXT[part['ratio'].iloc[0]]}; N: questions compared (fewest over "
              "runs); Err: failed questions (all runs); mean ± std over runs"]
-    methods = part.loc[~part["reference"]]
-    apart = list(dict.fromkeys(methods.loc[~methods["in_turn"], "label"]))
-    if len(methods) and not apart:
+    apart = timed_apart(part)
+    if (~part["reference"]).any() and not apart:
         notes.append("every method was timed in turn with the baseline, question by question (evaluation.interleave)")
     elif apart:
         notes.append(f"timed apart from the baseline (one run after another, so a drift in the machine's speed enters "
                      f"the speedup; evaluation.interleave times them in turn): {', '.join(apart)}")
-    unchecked = part.loc[part["provenance"] != CHECKED, ["label", "provenance"]].drop_duplicates()
-    notes += [f"* {label}: provenance {provenance}" for label, provenance in unchecked.itertuples(index=False)]
-    if any(noisy(row, column) for _, row in part.iterrows() for column in NOISY_COLUMNS):
+    notes += [f"* {label}: provenance {provenance}" for label, provenance in unchecked(part)]
+    if noisy_rows(part):
         notes.append(f"{NOISY} the std over runs is larger than the distance from 1.0: this speedup cannot be told "
                      "from no speedup; run more repeats (run.id=0,1,2,...)")
     return notes
+
+
+def records(table: pd.DataFrame) -> list[dict]:
+    """The table as JSON-ready records (what --json prints; NaN as None)."""
+    return json.loads(table.to_json(orient="records"))
 
 
 def format_table(table: pd.DataFrame, style: str = "text") -> str:
     """The table as terminal text, Markdown ("md") or LaTeX ("tex"), one section per setup."""
     headers = [h for h, _, _ in COLUMNS]
     out = []
-    for name, part in _sections(table):
+    for name, part in sections(table):
         notes = _notes(part)
         if style == "md":
             body = render_text(headers, display_rows(part), markdown=True)
@@ -169,7 +191,7 @@ def simple_table(frame: pd.DataFrame, columns: Sequence[tuple], title: str, styl
     left = [d is None for _, _, d in columns]
     out = []
     for (*setup, platform), part in frame.groupby([*SETUP_KEYS, "platform"], sort=False):
-        rows = [[str(row[c]) if d is None else _number(100 * row[c], 1) if d == PERCENT else _number(row[c], d)
+        rows = [[str(row[c]) if d is None else number(100 * row[c], 1) if d == PERCENT else number(row[c], d)
                  for _, c, d in columns] for _, row in part.iterrows()]
         body = render_text(headers, rows, markdown=style == "md", left=left)
         where = f"{setup_name(setup)} on {platform}"
@@ -249,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost = steps.cost_model(comparisons, resolve_path(args.calibration))
     drafted = steps.sources(comparisons)
     if args.json:
-        print(json.dumps(json.loads(table.to_json(orient="records")), indent=1))
+        print(json.dumps(records(table), indent=1))
     else:
         print(format_table(table), end="")
         extra = format_steps(accepted, cost, drafted=drafted)
