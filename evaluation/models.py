@@ -43,6 +43,8 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 # transformers' switch for SDPA over the key/value heads (``enable_gqa``) under a mask too.
 MASKED_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+# ``free``: an unindexed cuda device is a GPU no other job holds (set by conf/hydra/launcher/joblib_gpus.yaml).
+GPU_ENV = "DRAFTBENCH_GPU"
 
 
 class ModelUnavailable(RuntimeError):
@@ -97,9 +99,16 @@ def free_gpu() -> torch.device:
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` is cuda when available, else cpu; ``cuda:free`` is a GPU no other job holds (see
-    free_gpu); an explicit cuda on a machine without one is an error."""
+    free_gpu); an explicit cuda on a machine without one is an error.
+
+    Where the environment has ``DRAFTBENCH_GPU=free`` (every job of hydra/launcher=joblib_gpus), a GPU
+    without an index (``cuda``, or ``auto`` on a GPU machine) is ``cuda:free``: each parallel job gets a GPU
+    of its own, not GPU 0 for all. ``cuda:N`` still means GPU N.
+    """
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and os.environ.get(GPU_ENV) == "free":
+        device = "cuda:free"
     if device == "cuda:free":
         return free_gpu()
     dev = torch.device(device)
