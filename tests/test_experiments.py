@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,8 @@ def test_specbench_vicuna7b_is_spec_bench_protocol():
 def test_launcher_configs():
     slurm = hydra_config("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.account=lab",
                          "hydra.launcher.timeout_min=30").hydra.launcher
-    assert (slurm.gpus_per_node, slurm.tasks_per_node, slurm.partition, slurm.account, slurm.timeout_min) == (
-        1, 1, "gpu", "lab", 30)
+    assert (slurm.gres, slurm.gpus_per_node, slurm.tasks_per_node, slurm.partition, slurm.account,
+            slurm.timeout_min) == ("gpu:1", None, 1, "gpu", "lab", 30)
     assert slurm._target_.endswith("SlurmLauncher")
     joblib = hydra_config("hydra/launcher=joblib_gpus", "hydra.launcher.n_jobs=4").hydra.launcher
     assert joblib._target_.endswith("JoblibLauncher") and joblib.n_jobs == 4
@@ -108,3 +109,94 @@ def test_cuda_free_takes_a_gpu_no_other_job_holds(tmp_path, monkeypatch):
         assert models.resolve_device("cuda:free") == torch.device("cuda", 1)
     assert models.resolve_device("cuda:free") == torch.device("cuda", 1)  # kept for the next job of this worker
     models._HELD_GPU[0][1].release()
+
+
+def sbatch(tmp_path: Path, monkeypatch, *overrides: str) -> list[str]:
+    """The #SBATCH lines submitit writes for one job of hydra/launcher=slurm (a fake srun: no cluster here)."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    params = dict(hydra_config("hydra/launcher=slurm", *overrides).hydra.launcher)
+    for key in ("_target_", "submitit_folder", "name", "max_num_timeout"):  # what the launcher passes elsewhere
+        params.pop(key)
+    executor = submitit.AutoExecutor(cluster="slurm", folder=tmp_path / "%j")
+    shared = set(BaseQueueConf.__dataclass_fields__)  # as hydra_submitit_launcher's launch() maps them
+    executor.update_parameters(**{k if k in shared else f"slurm_{k}": v for k, v in params.items()})
+    text = executor._executor._make_submission_file_text("python -m evaluation.run", "0")
+    return [line for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+@pytest.mark.parametrize("overrides, gpu, constraint", [
+    ((), "--gres=gpu:1", None),
+    (("hydra.launcher.gres=gpu:a100:1",), "--gres=gpu:a100:1", None),
+    (("hydra.launcher.constraint=a100",), "--gres=gpu:1", "--constraint=a100"),
+])
+def test_slurm_asks_for_exactly_one_gpu(tmp_path, monkeypatch, overrides, gpu, constraint):
+    lines = sbatch(tmp_path, monkeypatch, "hydra.launcher.partition=gpu", *overrides)
+    flags = [line.split("=")[0].removeprefix("#SBATCH --") for line in lines]
+    requests = [line for line, flag in zip(lines, flags) if flag == "gres" or "gpu" in flag]  # --gpus-per-node...
+    assert requests == [f"#SBATCH {gpu}"], lines
+    assert [line for line in lines if "--constraint" in line] == ([f"#SBATCH {constraint}"] if constraint else [])
+    assert "#SBATCH --ntasks-per-node=1" in lines and "#SBATCH --cpus-per-task=8" in lines
+
+
+def test_under_joblib_gpus_an_unindexed_cuda_is_a_free_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(models, "_HELD_GPU", [])
+    monkeypatch.delenv(models.GPU_ENV, raising=False)
+    assert models.resolve_device("cuda") == torch.device("cuda") and not models._HELD_GPU  # GPU 0, as asked
+    assert hydra_config("hydra/launcher=joblib_gpus").hydra.job.env_set == {models.GPU_ENV: "free"}
+    monkeypatch.setenv(models.GPU_ENV, "free")
+    assert models.resolve_device("cuda:1") == torch.device("cuda", 1) and not models._HELD_GPU  # pinned stays
+    other_job = FileLock(tmp_path / "gpus" / models.platform.node() / "cuda-0.lock")
+    (tmp_path / "gpus" / models.platform.node()).mkdir(parents=True)
+    with other_job:
+        assert models.resolve_device("cuda") == torch.device("cuda", 1)
+    assert models.resolve_device("auto") == torch.device("cuda", 1)  # kept for this worker's next job
+    models._HELD_GPU[0][1].release()
+
+
+# A stand-in for evaluation.run under a real joblib sweep: every job resolves its device (CUDA faked: 4 GPUs) and
+# waits until each job has, so that the jobs run at the same time in separate worker processes.
+JOBLIB_APP = """
+import json, os, sys, time
+from pathlib import Path
+import hydra
+
+@hydra.main(config_path=sys.argv.pop(1), config_name="config", version_base=None)
+def job(cfg):
+    import torch  # in the worker only: the launching process has no use for them
+    from evaluation import models
+
+    torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 4)
+    out = Path(os.environ["OUT"])
+    (out / f"{cfg.run.id}.json").write_text(json.dumps([os.getpid(), str(models.resolve_device(cfg.device))]))
+    deadline = time.time() + 60
+    while len(list(out.glob("*.json"))) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+
+job()
+"""
+
+
+def test_joblib_gpus_gives_each_parallel_job_its_own_gpu(tmp_path):
+    """The Spec-Bench experiment (device: cuda) under hydra/launcher=joblib_gpus, no device override."""
+    (tmp_path / "app.py").write_text(JOBLIB_APP)
+    (tmp_path / "out").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "DRAFTBENCH_CACHE": str(tmp_path / "cache"),
+           "OUT": str(tmp_path / "out")}
+    env.pop(models.GPU_ENV, None)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "app.py"), str(CONF), "-m", "+experiment=specbench_vicuna7b",
+         "hydra/launcher=joblib_gpus", "method=baseline", "run.id=0,1", f"run.dir={tmp_path / 'runs'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    jobs = [json.loads((tmp_path / "out" / f"{i}.json").read_text()) for i in range(2)]
+    (pid0, gpu0), (pid1, gpu1) = jobs
+    assert pid0 != pid1 and {gpu0, gpu1} <= {f"cuda:{i}" for i in range(4)} and gpu0 != gpu1
