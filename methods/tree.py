@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
 
+import numpy as np
 import torch
 import yaml
 
@@ -119,8 +120,9 @@ class TreeShape:
         return self._buffers[key]
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> ShapeBuffers:
+        """Built on the host (numpy) and moved once per buffer: a new shape's only transfers, never repeated."""
         n1, size = self.n_nodes, self.size
-        visible = torch.zeros(size, size, dtype=torch.bool)
+        visible = np.zeros((size, size), dtype=bool)
         for i, path in enumerate(self.paths):
             visible[i, list(path)] = True
         for j, seen in enumerate(self.extra_visible):
@@ -128,13 +130,13 @@ class TreeShape:
             visible[row, list(seen)] = True
             visible[row, row] = True
         max_depth = max(self.depth_list[:n1])
-        paths = torch.tensor([p + (p[-1],) * (max_depth + 1 - len(p)) for p in self.paths])
-        mask = torch.zeros(size, size, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        paths = np.array([p + (p[-1],) * (max_depth + 1 - len(p)) for p in self.paths], dtype=np.int64)
+        mask = torch.zeros(size, size, dtype=dtype).masked_fill_(torch.from_numpy(~visible), torch.finfo(dtype).min)
         return ShapeBuffers(
-            depths=torch.tensor(self.depth_list, device=device),
-            parents=torch.tensor(self.parents, dtype=torch.long, device=device),
-            ancestors=visible[:n1, :n1].to(device),
-            paths=paths.to(device),
+            depths=torch.from_numpy(np.array(self.depth_list, dtype=np.int64)).to(device),
+            parents=torch.from_numpy(np.array(self.parents, dtype=np.int64)).to(device),
+            ancestors=torch.from_numpy(visible[:n1, :n1].copy()).to(device),
+            paths=torch.from_numpy(paths).to(device),
             mask_block=mask.to(device),
         )
 
