@@ -123,6 +123,7 @@ def _collect(cfg: DictConfig, cls: type, param: str, candidate: object, verified
             run_cfg.method[param] = verified
             run_cfg.method[cls.shadow_param] = candidate
             run_cfg.autotree.allow_overlap = True  # the plan verified with is not being evaluated here
+            run_cfg.autotree.online = False  # statistics of the plan as chosen, not of a run that corrects it
         else:
             run_cfg.method[param] = candidate
         run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs")
@@ -177,6 +178,7 @@ def _collect_policy(cfg: DictConfig, cls: type, verified: object) -> Path:
         run_cfg.method[cls.policy_param] = verified
         run_cfg.method[cls.score_param] = cls.candidate_score
         run_cfg.autotree.allow_overlap = True  # the plan verified with is not being evaluated here
+        run_cfg.autotree.online = False
         run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs" / f"{cls.score_param}{cls.candidate_score}")
     result = _run(run_cfg)
     meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())

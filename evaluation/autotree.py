@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from evaluation import store
 from evaluation.store import AutoTreeError, drafter_class
 from methods import tree_search
+from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan
 from methods.engine import Padding
 
 
@@ -35,8 +36,10 @@ def padding(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[
 
 def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions: list[dict],
             padded: bool = False) -> dict:
-    """Constructor overrides for the drafter: ``{tree_param: TreePlan}`` and ``{policy_param: PolicyPlan}`` where
-    the method asks for auto, else {}.
+    """Constructor overrides for the drafter: ``{tree_param: plan}`` and ``{policy_param: policy}`` where the
+    method asks for auto, else {}. With ``autotree.online`` (the default) the method's own plan corrects itself
+    with the run's steps (:mod:`methods.online`); a tree that a drafter takes from another's statistics (SAM's
+    fallback) stays as chosen, its policy being what corrects itself.
     ``padded``: the engine pads blocks as the calibration says, so a tree's step time is its padded size's."""
     cls = drafter_class(cfg.method)
     param, policy = cls.tree_param, cls.policy_param
@@ -47,6 +50,7 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
     if not (tree_auto or policy_auto):
         return overrides
     calibration, calibration_path = store.find_calibration(cfg, device, dtype)
+    cost_at = lambda context, scale=None: calibration.at(context, padded, scale)  # noqa: E731
     if tree_auto:
         stats, stats_path = store.find_statistics(cfg, store.statistics_method(cfg.method), dtype_name, questions)
         sources = {"calibration": str(calibration_path), "acceptance": str(stats_path), "padded": padded}
@@ -54,12 +58,20 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
         if cls.drafting_cost:
             drafting, drafting_path = store.find_drafting(cfg, device, dtype)
             draft, sources["drafting"] = drafting.cost, str(drafting_path)
-        overrides[param] = tree_search.plan(stats.stats, calibration.padded_seconds if padded else calibration.seconds,
-                                            calibration.contexts, sources=sources, draft=draft)
+        if cfg.autotree.online and not cls.tree_owner:
+            overrides[param] = AdaptiveTreePlan(stats.stats, cost_at, calibration.contexts, {**sources, "online": True},
+                                                draft)
+        else:
+            overrides[param] = tree_search.plan(stats.stats, cost_at, calibration.contexts, sources=sources,
+                                                draft=draft)
     if policy_auto:
         stats, stats_path = store.find_statistics(cfg, cfg.method, dtype_name, questions, policy=True)
         sources = {"calibration": str(calibration_path), "policy_statistics": str(stats_path), "padded": padded}
-        overrides[policy] = tree_search.policy_plan(
-            stats.counts, calibration.padded_seconds if padded else calibration.seconds, calibration.contexts,
-            cls.aux_nodes(cfg.method, overrides), stats.score, sources=sources)
+        aux_nodes = cls.aux_nodes(cfg.method, overrides)
+        if cfg.autotree.online:
+            overrides[policy] = AdaptivePolicyPlan(stats.counts, cost_at, calibration.contexts, aux_nodes, stats.score,
+                                                   {**sources, "online": True})
+        else:
+            overrides[policy] = tree_search.policy_plan(stats.counts, cost_at, calibration.contexts, aux_nodes,
+                                                        stats.score, sources=sources)
     return overrides

@@ -2,14 +2,21 @@
 
     python -m evaluation.calibrate model=smollm2-135m device=cpu dtype=float32 threads=2 [calibration.redo=true]
 
-A step is the engine's own :meth:`Engine.verify` (tree mask, forward, acceptance, KV compaction) on a
-random draft whose shape is the first ``q - 1`` nodes of the wide candidate tree, after a random
-prefix of each context length; warm, median of repeats, CUDA-synchronised on a GPU. The forward's
-share is timed apart, so the engine's time outside the model forward is recorded too. Timing does not
-depend on the weights' values, only on the shapes.
+A step is timed as the engine runs it in a run: :meth:`Engine.verify` over a draft whose shape is the first
+``q - 1`` nodes of the wide candidate tree, after a random prefix of each context length, into the engine's own
+KV cache, with the deepest path of the draft holding the model's true continuation so that it is accepted and
+moved into place (what every accepted path costs), no forward timer (its syncs are not in a run's step),
+CUDA-synchronised on a GPU. Timing depends on the shapes, not on the weights' values.
 
-The same file tells the engine how to pad blocks (:attr:`Calibration.padding`: a q whose larger
-neighbour runs faster is fed as that size) and ``tree=auto`` what a tree costs.
+Every repeat is kept. The sizes are timed in rounds (each round every size in ascending order, after an untimed
+single-token step: a small block right after a large one runs slower on some CPUs), at least
+``calibration.min_rounds`` of them; then, within ``calibration.budget_s``, more rounds for the points whose 90%
+bootstrap interval is wider than ``calibration.target`` among the sizes plans choose between (a step at most
+``calibration.decision_ratio`` times a single token's: larger blocks never pay). A reference point timed at the
+start, the middle and the end says whether the machine's speed moved during the calibration.
+
+The same file tells the engine how to pad blocks (:attr:`Calibration.padding`) and ``tree=auto`` what a tree
+costs, with the uncertainty of both (:class:`~methods.costs.CostCurve`).
 
 For a method whose drafter runs forwards of its own (``Drafter.drafting_cost``: EAGLE's head, one per
 depth), ``method=<name>`` also measures the drafter's time per draft over trees of every depth, narrow
@@ -17,10 +24,10 @@ and wide, and fits :class:`~methods.tree_search.DraftCost` to it (:class:`Drafti
 file beside the calibration, keyed by the machine and the method's settings): ``tree=auto`` adds it to
 the step time of every tree it weighs.
 
-The file is keyed by what speed depends on: device name, model, dtype, torch threads and torch
-version. It lives in ``autotree.dir`` (default ``results/calibration/``) with a plot of the step time
-over the single-token step time against q; rerunning with the same key reuses it unless
-``calibration.redo=true``. ``method.tree=auto`` reads it (evaluation.autotree).
+The file is keyed by what speed depends on (:func:`evaluation.store.machine_key`): device name, model, dtype,
+torch threads, torch version, masked GQA and the calibration's format. It lives in ``autotree.dir`` (default
+``results/calibration/``) with a plot of the step time over the single-token step time against q; rerunning with
+the same key reuses it unless ``calibration.redo=true``.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import hydra
+import numpy as np
 import torch
 from omegaconf import DictConfig
 
@@ -40,61 +49,134 @@ from evaluation.build import build_drafter
 from evaluation.results import environment
 from evaluation.store import (Calibration, CalibrationError, DraftingCalibration, StoreError, calibration_path,
                               drafter_class, drafting_path, machine_key, method_key, stale, write_json)
+from methods.costs import CostCurve
 from methods.drafter import Drafter, Step
 from methods.engine import Engine
 from methods.paths import resolve_path
 from methods.tree import Draft, from_rank_paths, load_template
 
 
-def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence[int], repeats: int,
-            progress: bool = True) -> tuple[list[list[float]], list[list[float]]]:
-    """Median step and forward times (ms) of ``engine.verify`` for every (context, q)."""
+@dataclass
+class _Point:
+    """The state one context length is timed in: its KV cache holding the prefix, the root, and a draft per size."""
+
+    context: int
+    cache: object
+    root: int
+    drafts: dict
+
+
+def _points(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence[int]) -> list[_Point]:
+    """Per context: a random prefix in a cache of its own, and per size a draft of the candidate tree's first ``q-1``
+    nodes whose deepest path (the last node's) is the model's greedy continuation, so that verifying it accepts
+    that path and moves it into place, as a run's steps do."""
     candidate = load_template("wide")
     if max(sizes) - 1 > len(candidate):
         raise CalibrationError(f"calibration.sizes go up to {max(sizes)}, but the candidate tree has "
                                f"{len(candidate)} nodes; use sizes up to {len(candidate) + 1}")
     gen = torch.Generator().manual_seed(0)
     shapes = {q: from_rank_paths(candidate[: q - 1])[0] for q in sizes if q > 1}
-    step_ms, forward_ms = [], []
+    depth = max((max(shape.depth_list) for shape in shapes.values()), default=0)
+    points = []
     for context in contexts:
+        prefix = torch.randint(vocab, (context + 1,), generator=gen).tolist()
+        truth = engine.generate(prefix, Drafter(vocab), depth + 1).output_ids if depth else []
         cache = engine.new_cache(context + max(sizes))
-        prefix = torch.randint(vocab, (1, context), generator=gen).to(engine.device)
         with torch.inference_mode():
-            engine.model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{engine.cache_kw: cache})
+            engine.model(input_ids=torch.tensor([prefix[:context]], device=engine.device), use_cache=True,
+                         logits_to_keep=1, **{engine.cache_kw: cache})
         cache.commit(context)
-        drafts = {q: None if q == 1 else Draft(torch.randint(vocab, (q - 1,), generator=gen).to(engine.device), shapes[q])
-                  for q in sizes}
-        totals: dict[int, list[float]] = {q: [] for q in sizes}
-        inner: dict[int, list[float]] = {q: [] for q in sizes}
-        # Rounds over every size, not repeats of one size in a row: a machine whose speed drifts (a shared
-        # host) then shifts every size alike, and the median of the rounds keeps the curve's shape. Each timed
-        # step follows an untimed one of its own size, as in a run, whose steps verify blocks of similar sizes:
-        # right after a large block a small one runs slower (measured on an Intel Xeon: a single token 4-7% slower
-        # after 80 tokens), and timing q=1 after q=128 had made 1-3 tokens look equally dear there.
-        for r in range(repeats + 1):  # the first round is a warm-up
-            for q in sizes:
-                with torch.inference_mode():
-                    engine.verify(int(prefix[0, -1]), context, drafts[q], cache)
-                cache.commit(context)
-                engine.forward_time = 0.0
-                engine.sync()
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    engine.verify(int(prefix[0, -1]), context, drafts[q], cache)
-                engine.sync()
-                if r:
-                    totals[q].append(1000 * (time.perf_counter() - start))
-                    inner[q].append(1000 * engine.forward_time)
-                cache.commit(context)
-        steps = [statistics.median(totals[q]) for q in sizes]
-        forwards = [statistics.median(inner[q]) for q in sizes]
-        if progress:
-            print(f"calibrate: context {context}: " + ", ".join(f"q={q} {t:.1f} ms" for q, t in
-                                                                 zip(sizes, steps) if q in (1, 8, 32, 128)),
+        drafts = {1: None}
+        for q, shape in shapes.items():
+            tokens = torch.randint(vocab, (q - 1,), generator=gen)
+            path = shape.paths[-1]  # the last node's path: the deepest, usually not contiguous
+            for d, node in enumerate(path[1:]):
+                tokens[node - 1] = truth[d] if d < len(truth) else tokens[node - 1]
+            drafts[q] = Draft(tokens.to(engine.device), shape)
+        points.append(_Point(context, cache, prefix[context], drafts))
+    return points
+
+
+def _time_step(engine: Engine, point: _Point, q: int) -> float:
+    """One step over ``q`` tokens at ``point`` as a run makes it (ms); the cache is left as it was."""
+    engine.sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        engine.verify(point.root, point.context, point.drafts[q], point.cache)
+    engine.sync()
+    ms = 1000 * (time.perf_counter() - start)
+    point.cache.commit(point.context)
+    return ms
+
+
+def _round(engine: Engine, point: _Point, sizes: Sequence[int], samples: dict) -> None:
+    """Every size once, ascending, after an untimed single-token step."""
+    _time_step(engine, point, 1)
+    for q in sizes:
+        samples[point.context, q].append(_time_step(engine, point, q))
+
+
+def _reference(engine: Engine, point: _Point, repeats: int = 5) -> list[float]:
+    """The drift reference: single-token steps at one context."""
+    _time_step(engine, point, 1)
+    return [_time_step(engine, point, 1) for _ in range(repeats)]
+
+
+def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence[int], min_rounds: int,
+            budget_s: float, target: float, decision_ratio: float, progress: bool = True
+            ) -> tuple[list[list[list[float]]], dict]:
+    """Every repeat (ms) of ``engine.verify`` for every (context, q), and the drift check; see the module."""
+    started = time.perf_counter()
+    points = _points(engine, vocab, sizes, contexts)
+    samples: dict = {(c, q): [] for c in contexts for q in sizes}
+    reference = points[len(points) // 2]
+    drift = {"context": reference.context, "q": 1, "start": _reference(engine, reference)}
+    for r in range(min_rounds + 1):  # the first round is a warm-up
+        for point in points:
+            _round(engine, point, sizes, samples)
+        if r == 0:
+            for key in samples:
+                samples[key].clear()
+    drift["middle"] = _reference(engine, reference)
+    rounds = min_rounds
+    while time.perf_counter() - started < budget_s:
+        curve = CostCurve.from_samples(contexts, sizes, [[samples[c, q] for q in sizes] for c in contexts],
+                                       replicates=100)
+        wide = {}
+        for i, point in enumerate(points):
+            single = curve.fitted[i, 0]
+            chosen = [q for j, q in enumerate(sizes) if curve.fitted[i, j] <= decision_ratio * single
+                      and curve.precision[i, j] > target]
+            if chosen:
+                wide[i] = chosen
+        if not wide:
+            break
+        for i, chosen in wide.items():
+            _round(engine, points[i], chosen, samples)
+        rounds += 1
+    drift["end"] = _reference(engine, reference)
+    drift |= _verdict(drift)
+    table = [[samples[c, q] for q in sizes] for c in contexts]
+    if progress:
+        for c, row in zip(contexts, table):
+            print(f"calibrate: context {c}: " + ", ".join(f"q={q} {statistics.median(t):.1f} ms ({len(t)}x)"
+                                                          for q, t in zip(sizes, row) if q in (1, 2, 4, 8, 16, 32, 128)),
                   file=sys.stderr)
-        step_ms.append(steps)
-        forward_ms.append(forwards)
-    return step_ms, forward_ms
+    return table, drift | {"rounds": rounds, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _verdict(drift: dict) -> dict:
+    """How far the machine's speed moved between the start and the end, against the reference's own noise."""
+    start, end = statistics.median(drift["start"]), statistics.median(drift["end"])
+    spread = max(statistics.median(abs(t - start) for t in drift["start"]),
+                 statistics.median(abs(t - end) for t in drift["end"])) / start
+    moved = end / start - 1
+    noisy = abs(moved) > max(3 * spread, 0.02)
+    verdict = (f"the machine's speed moved by {100 * moved:+.1f}% during the calibration (a single-token step at "
+               f"context {drift['context']}, start to end): its times may be off by as much; calibrate again on an "
+               f"idle machine" if noisy else
+               f"the machine's speed held during the calibration ({100 * moved:+.1f}% start to end, within noise)")
+    return {"moved": round(moved, 4), "beyond_noise": noisy, "verdict": verdict}
 
 
 class _Timed:
@@ -155,18 +237,24 @@ def measure_drafting(engine: Engine, build: Callable[[list[list[int]]], Drafter]
 
 
 def plot(calibration: Calibration, path: Path) -> None:
-    """Step time over the single-token step time against q, one line per context length."""
+    """Step time over the single-token step time against q, one line per context length, with the 90% interval
+    (dashed: fitted over contexts)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.5, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for context, row, fit in zip(calibration.contexts, calibration.step_ms, calibration.fitted_ms):
-        line, = ax.plot(calibration.sizes, [t / row[0] for t in row], marker=".", label=f"context {context}")
-        ax.plot(calibration.sizes, [t / fit[0] for t in fit], linestyle="--", color=line.get_color(), alpha=0.6)
+    curve = calibration.curve
+    low, high = np.quantile(curve.replicates, [0.05, 0.95], axis=0)
+    for i, (context, row) in enumerate(zip(calibration.contexts, calibration.samples_ms)):
+        medians = [statistics.median(point) for point in row]
+        line, = ax.plot(calibration.sizes, [t / medians[0] for t in medians], marker=".", label=f"context {context}")
+        fit = curve.fitted[i]
+        ax.plot(calibration.sizes, fit / fit[0], linestyle="--", color=line.get_color(), alpha=0.6)
+        ax.fill_between(calibration.sizes, low[i] / fit[0], high[i] / fit[0], color=line.get_color(), alpha=0.15)
     ax.set_xlabel("tokens verified per step (q, root included)")
-    ax.set_ylabel("step time / step time at q=1 (dashed: fitted over contexts)")
+    ax.set_ylabel("step time / step time at q=1 (dashed: fitted; band: 90%)")
     key = calibration.key
     ax.set_title(f"{key['model']} {key['dtype']}, {key['threads']} threads\n{key['device_name']}", fontsize="medium")
     ax.grid(alpha=0.3)
@@ -207,24 +295,25 @@ def _provenance(device: torch.device, started: float, **facts: object) -> dict:
 
 
 def _calibrate_steps(cfg: DictConfig, loaded: models.LoadedModel, key: dict, path: Path) -> None:
-    engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=True)
-    limit = engine.max_length or max(cfg.calibration.contexts) + max(cfg.calibration.sizes)
-    contexts = sorted(c for c in cfg.calibration.contexts if c + max(cfg.calibration.sizes) <= limit)
+    engine = Engine(loaded.model, loaded.eos_token_ids)
+    c = cfg.calibration
+    limit = engine.max_length or max(c.contexts) + max(c.sizes)
+    contexts = sorted(x for x in c.contexts if x + max(c.sizes) <= limit)
     if not contexts:
-        raise CalibrationError(f"every calibration.contexts entry leaves no room for q={max(cfg.calibration.sizes)} "
+        raise CalibrationError(f"every calibration.contexts entry leaves no room for q={max(c.sizes)} "
                                f"within the model's {limit} positions; list shorter contexts")
-    sizes = sorted(set(cfg.calibration.sizes) | {1})
-    print(f"calibrate: {key} -> {path}", file=sys.stderr)
+    sizes = sorted(set(c.sizes) | {1})
+    print(f"calibrate: {key} -> {path}; about {c.budget_s:.0f} s (calibration.budget_s)", file=sys.stderr)
     started = time.time()
-    step_ms, forward_ms = measure(engine, len(loaded.tokenizer), sizes, contexts, cfg.calibration.repeats)
+    samples, drift = measure(engine, loaded.model.get_output_embeddings().weight.shape[0], sizes, contexts,
+                             c.min_rounds, c.budget_s, c.target, c.decision_ratio)
     calibration = Calibration(key=key, contexts=tuple(contexts), sizes=tuple(sizes),
-                              step_ms=tuple(map(tuple, step_ms)), forward_ms=tuple(map(tuple, forward_ms)),
-                              provenance=_provenance(engine.device, started, repeats=cfg.calibration.repeats))
+                              samples_ms=tuple(tuple(tuple(p) for p in row) for row in samples), drift=drift,
+                              provenance=_provenance(engine.device, started, min_rounds=c.min_rounds,
+                                                     budget_s=c.budget_s, target=c.target))
     write_json(path, calibration.to_json())
     plot(calibration, path.with_suffix(".png"))
-    outside = [1 - f / s for fs, ss in zip(forward_ms, step_ms) for f, s in zip(fs, ss)]
-    print(f"calibrate: engine time outside the forward: {100 * min(outside):.1f}-{100 * max(outside):.1f}% of a "
-          f"step; wrote {path} and {path.with_suffix('.png').name}", file=sys.stderr)
+    print(f"calibrate: {calibration.summary()}; wrote {path} and {path.with_suffix('.png').name}", file=sys.stderr)
 
 
 def _calibrate_drafting(cfg: DictConfig, loaded: models.LoadedModel, key: dict, path: Path) -> None:

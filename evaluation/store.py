@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from evaluation import data as datasets
 from evaluation import models
+from methods.costs import ContextCost, CostCurve, bounds, interp
 from methods.engine import Padding
 from methods.paths import PROJECT_ROOT, resolve_path
 from methods.tree_search import DraftCost, NodeStats
@@ -46,8 +46,10 @@ class StoreError(RuntimeError):
     to do."""
 
 
-KEY_FIELDS = ("device_name", "model", "dtype", "threads", "torch", "masked_gqa")
-PAD_GAIN = 0.05  # a block is padded only to a size at least this much faster (smaller gains are within the noise)
+KEY_FIELDS = ("device_name", "model", "dtype", "threads", "torch", "masked_gqa", "format")
+# What a step is timed as: 2 = the engine's step as it runs (its KV cache, an accepted path moved into place, no
+# forward timer), every repeat kept. A calibration of another format is measured anew.
+CALIBRATION_FORMAT = 2
 
 
 class AutoTreeError(StoreError):
@@ -62,7 +64,7 @@ def machine_key(model: str, device: torch.device, dtype: torch.dtype) -> dict:
     """What a step's time depends on besides the shapes: a calibration is valid only for the same key."""
     return {"device_name": models.device_name(device), "model": model,
             "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "masked_gqa": models.masked_gqa(device)}
+            "torch": torch.__version__, "masked_gqa": models.masked_gqa(device), "format": CALIBRATION_FORMAT}
 
 
 def key_diff(mine: dict, theirs: dict) -> list[str]:
@@ -77,101 +79,65 @@ def calibration_path(directory: Path, key: dict) -> Path:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured step and forward times (ms) per context length and block size q."""
+    """This machine's step times: every repeat (ms) per context length and block size q, and what the machine's
+    own drift during the measurement was. Its :attr:`curve` is the fitted cost with bootstrap replicates."""
 
     key: dict
     contexts: tuple[int, ...]
     sizes: tuple[int, ...]
-    step_ms: tuple[tuple[float, ...], ...]  # [context][size]
-    forward_ms: tuple[tuple[float, ...], ...]
+    samples_ms: tuple[tuple[tuple[float, ...], ...], ...]  # [context][size][repeat]
+    drift: dict  # a reference point timed at the start, the middle and the end (evaluation.calibrate)
     provenance: dict
 
     @cached_property
-    def fitted_ms(self) -> tuple[tuple[float, ...], ...]:
-        """The step times of every q smoothed over the context: a least-squares quadratic in the context
-        length (a line for three contexts or fewer: a step reads the whole prefix, so its time grows about
-        linearly, a little faster once the cache outgrows the CPU's caches), then made non-decreasing
-        (isotonic regression), since more context is never cheaper. One slow or fast repeat at one context
-        would otherwise decide the tree there: a point 10% off moves a tree's predicted gain by as much as
-        the trees differ. Along q the times stay as measured: a q that fills the matrix kernels' blocks can
-        cost less than a smaller one (here q=8 below q=7), and that is real."""
-        return tuple(zip(*(isotonic(smooth(self.contexts, column)) for column in zip(*self.step_ms))))
+    def curve(self) -> CostCurve:
+        return CostCurve.from_samples(self.contexts, self.sizes, self.samples_ms)
 
     def seconds(self, q: int, context: int) -> float:
-        """Predicted time of a step over ``q`` tokens at a context length, from the fitted times: piecewise
-        linear in both, linearly extrapolated past the measured range."""
-        per_context = [_interp(q, self.sizes, row) for row in self.fitted_ms]
-        return max(_interp(context, self.contexts, per_context), 1e-6) / 1000
+        """Predicted time of a step over ``q`` tokens at a context length (the fitted curve)."""
+        return self.curve.seconds(q, context)
 
     @cached_property
     def padding(self) -> Padding:
-        """How the engine should feed a block on this machine: at every calibrated context (buckets end
-        halfway, geometrically, to the next, as a tree plan's do), ``q`` tokens as the measured size >= q
-        with the least fitted step time, when that is at least ``PAD_GAIN`` faster than ``q`` itself."""
-        tables = []
-        for context in self.contexts:
-            measured = [(self.seconds(s, context), s) for s in self.sizes]
-            table = [0, 1]  # a single token is never padded
-            for q in range(2, max(self.sizes) + 1):
-                limit = self.seconds(q, context) * (1 - PAD_GAIN)
-                faster = [(t, s) for t, s in measured if s > q and t <= limit]
-                table.append(min(faster)[1] if faster else q)  # the fastest; on a tie the smaller
-            tables.append(tuple(table))
-        bounds = tuple(math.isqrt(a * b) for a, b in zip(self.contexts, self.contexts[1:]))
-        return Padding(bounds=bounds, sizes=tuple(tables))
+        """How the engine should feed a block on this machine: per calibrated context (buckets end halfway,
+        geometrically, to the next, as a tree plan's do), :meth:`~methods.costs.CostCurve.pad_table`."""
+        return Padding(bounds=bounds(self.contexts), sizes=tuple(self.curve.pad_table(c) for c in self.contexts))
 
     def padded_seconds(self, q: int, context: int) -> float:
         """Predicted time of a step over ``q`` tokens fed as :attr:`padding` says."""
         return self.seconds(self.padding.size(q, context), context)
 
+    def at(self, context: int, padded: bool, scale: Callable[[int], float] | None = None) -> ContextCost:
+        """The step cost a plan bucket at ``context`` is chosen with (blocks padded as the engine will pad them),
+        scaled per fed size by ``scale`` (a run's own correction)."""
+        return self.curve.at(context, self.padding.table(context) if padded else None, scale)
+
+    def summary(self) -> str:
+        """The calibration's precision and drift in one line."""
+        precision = self.curve.describe()
+        repeats = [len(point) for row in self.samples_ms for point in row]
+        line = (f"{len(self.contexts)} contexts x {len(self.sizes)} sizes, {min(repeats)}-{max(repeats)} repeats a "
+                f"point; 90% intervals: median +/-{100 * precision['median_half_interval']:.1f}%, widest "
+                f"+/-{100 * precision['widest_half_interval']:.1f}% (context {precision['widest_at']['context']})")
+        if self.drift:
+            line += f"; {self.drift['verdict']}"
+        return line
+
     def to_json(self) -> dict:
         return {"key": self.key, "contexts": list(self.contexts), "sizes": list(self.sizes),
-                "step_ms": [list(r) for r in self.step_ms], "forward_ms": [list(r) for r in self.forward_ms],
-                "provenance": self.provenance}
+                "samples_ms": [[list(p) for p in row] for row in self.samples_ms], "drift": self.drift,
+                "precision": self.curve.describe(), "provenance": self.provenance}
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
         try:
             raw = json.loads(path.read_text())
             return cls(key=raw["key"], contexts=tuple(raw["contexts"]), sizes=tuple(raw["sizes"]),
-                       step_ms=tuple(map(tuple, raw["step_ms"])), forward_ms=tuple(map(tuple, raw["forward_ms"])),
-                       provenance=raw.get("provenance", {}))
+                       samples_ms=tuple(tuple(tuple(p) for p in row) for row in raw["samples_ms"]),
+                       drift=raw.get("drift", {}), provenance=raw.get("provenance", {}))
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CalibrationError(f"{path}: not a readable calibration file ({err}); delete it and rerun "
-                                   "python -m evaluation.calibrate") from err
-
-
-def smooth(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, ...]:
-    """``ys`` at ``xs`` from a least-squares polynomial in ``xs``: quadratic from four points on, linear
-    from two, the point itself alone."""
-    degree = 2 if len(xs) >= 4 else min(1, len(xs) - 1)
-    if not degree:
-        return tuple(map(float, ys))
-    scale = max(xs)  # keeps the fit well conditioned
-    x = np.asarray(xs, dtype=float) / scale
-    return tuple(float(v) for v in np.polyval(np.polyfit(x, np.asarray(ys, dtype=float), degree), x))
-
-
-def isotonic(values: Sequence[float]) -> tuple[float, ...]:
-    """The least-squares non-decreasing fit of a sequence (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([float(v), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return tuple(m for m, n in blocks for _ in range(int(n)))
-
-
-def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    if len(xs) == 1:
-        return ys[0] * (x / xs[0] if xs[0] else 1.0)
-    if x > xs[-1]:  # extrapolate from the last two points
-        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
-    if x < xs[0]:
-        return ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (x - xs[0])
-    return float(np.interp(x, xs, ys))
-
+            raise CalibrationError(f"{path}: not a readable calibration file of this draftbench ({err}); delete it "
+                                   "and rerun python -m evaluation.calibrate") from err
 
 
 @dataclass(frozen=True)
@@ -194,7 +160,7 @@ class DraftingCalibration:
     def cost(self, context: int) -> DraftCost:
         """The fitted cost at a context length: each term linear between (and past) the measured contexts."""
         terms = zip(*((f.base, f.per_level, f.per_node) for f in self.fitted))
-        return DraftCost(*(max(_interp(context, self.contexts, t), 0.0) for t in terms))
+        return DraftCost(*(max(float(interp(context, self.contexts, np.asarray(t))), 0.0) for t in terms))
 
     def to_json(self) -> dict:
         return {"key": self.key, "method": self.method, "contexts": list(self.contexts),
@@ -361,7 +327,8 @@ class Acceptance:
         try:
             raw = json.loads(path.read_text())
             probs = {tuple(node["path"]): float(node["p"]) for node in raw["nodes"]}
-            return cls(key=raw["key"], stats=NodeStats(probs, float(raw["draft_rate"])), steps=int(raw["steps"]),
+            return cls(key=raw["key"], stats=NodeStats(probs, float(raw["draft_rate"]), int(raw.get("drafting_steps", 0))),
+                       steps=int(raw["steps"]),
                        question_hashes=tuple(raw["question_hashes"]), provenance=raw.get("provenance", {}))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise AcceptanceError(f"{path}: not a readable acceptance statistics file ({err}); delete it and rerun "

@@ -61,8 +61,12 @@ class Padding:
             if len(table) > 1 and table[1] != 1:
                 raise ValueError("a single token (the baseline's step) is never padded")
 
+    def table(self, context: int) -> tuple[int, ...]:
+        """The sizes serving a context length (its bucket's table)."""
+        return self.sizes[bisect.bisect_right(self.bounds, context)]
+
     def size(self, q: int, context: int) -> int:
-        table = self.sizes[bisect.bisect_right(self.bounds, context)]
+        table = self.table(context)
         return table[q] if q < len(table) else q
 
     def describe(self) -> dict:

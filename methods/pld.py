@@ -22,9 +22,9 @@ from typing import Sequence
 
 import torch
 
-from methods.drafter import Drafter
+from methods.drafter import Drafter, Step
 from methods.tree import Draft, chain
-from methods.tree_search import TreePlan
+from methods.tree_search import TreePlan, as_plan
 
 
 class NgramIndex:
@@ -85,15 +85,14 @@ class PromptLookup(Drafter):
         min_ngram_size: int = 1,
         num_pred_tokens: int | TreePlan = 10,
     ):
-        if isinstance(num_pred_tokens, TreePlan):
-            self.plan, lengths = num_pred_tokens, [len(paths) for paths in num_pred_tokens.trees]
-        else:
-            self.plan, lengths = None, [num_pred_tokens]
-        if min(lengths) < 1 and self.plan is None:
+        if isinstance(num_pred_tokens, int) and num_pred_tokens < 1:
             raise ValueError(f"method.num_pred_tokens must be at least 1, got {num_pred_tokens}")
         super().__init__(vocab_size, device)
         self.index = NgramIndex(min_ngram_size, max_ngram_size)
-        self.lengths = lengths  # chain length per context bucket (0: the plan found no chain worth its cost)
+        # a chain per context bucket (of 0: the plan found no chain worth its cost there)
+        self.plan = as_plan([[0] * n for n in range(1, num_pred_tokens + 1)]
+                            if isinstance(num_pred_tokens, int) else num_pred_tokens)
+        self.fixed = isinstance(num_pred_tokens, int)
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
               prefill_hidden: torch.Tensor | None = None) -> None:
@@ -102,11 +101,17 @@ class PromptLookup(Drafter):
         self.index.extend(ids, len(ids))
 
     def propose(self, ids: list[int]) -> Draft | None:
-        length = self.lengths[self.plan.index(len(ids)) if self.plan else 0]
+        length = len(self.plan.trees[self.plan.index(len(ids))])
         tokens = self.index.continuation(ids, length) if length else []
         if not tokens:
             return None
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), chain(length))
 
+    def observe(self, step: Step) -> None:
+        self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks)
+
+    def finish(self) -> dict:
+        return self.plan.report()
+
     def describe(self) -> dict:
-        return {"plan": self.plan.describe()} if self.plan else {}
+        return {} if self.fixed else {"plan": self.plan.describe()}

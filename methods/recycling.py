@@ -51,30 +51,38 @@ class TokenRecycling(Drafter):
         if k < 1:
             raise ValueError(f"method.k must be at least 1, got {k}")
         super().__init__(vocab_size, device)
-        self.plan = tree if isinstance(tree, TreePlan) else tree_search.fixed(
-            load_template(tree) if isinstance(tree, str) else tree)
-        self.trees = [self._tree(paths, k) for paths in self.plan.trees]  # (shape, levels) per bucket
         self.k, self.start = k, start
+        self.plan = tree_search.as_plan(tree)
+        self._trees: dict[tuple, tuple[TreeShape | None, list]] = {}  # (shape, levels) per tree, built once
+        for paths in self.plan.trees:
+            self._tree(paths)  # a template that does not fit k fails here
         self.needs_prefill_logits = start == "cold"
         index_dtype = torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
         # One scratch row at index V absorbs the writes that lose a tie (see _write).
         self.matrix = torch.zeros(vocab_size + 1, k, dtype=index_dtype, device=self.device)  # [V+1, k]
         self.shadow = None
         if shadow is not None:
-            shape, levels = self._tree(load_template(shadow) if isinstance(shadow, str) else shadow, k)
+            shape, levels = self._tree(load_template(shadow) if isinstance(shadow, str) else shadow)
             self.shadow, self._shadow_levels = ShadowTree(shape, self.device), levels
             self._shadow_tokens = torch.zeros(shape.n_nodes, dtype=torch.long, device=self.device)
-        n1 = max((shape.n_nodes for shape, _ in self.trees if shape is not None), default=1)
-        self._tokens = torch.zeros(n1, dtype=torch.long, device=self.device)  # [root, nodes]
+        self._tokens = torch.zeros(1, dtype=torch.long, device=self.device)  # [root, nodes], grown to the largest tree
         self._root: torch.Tensor | None = None  # the next root, on the device: the last step's bonus token
 
-    def _tree(self, paths: Sequence[Sequence[int]], k: int) -> tuple[TreeShape | None, list]:
-        """A template's shape and one (parents, ranks, slice) triple per depth: the fill is one gather per depth."""
+    def _tree(self, paths: Sequence[Sequence[int]]) -> tuple[TreeShape | None, list]:
+        """A tree's shape and one (parents, ranks, slice) triple per depth: the fill is one gather per depth.
+        Built once per tree (a plan that corrects itself while it runs may switch between a few)."""
+        key = tuple(map(tuple, paths))
+        if key not in self._trees:
+            self._trees[key] = self._build(key)
+        return self._trees[key]
+
+    def _build(self, paths: tuple[tuple[int, ...], ...]) -> tuple[TreeShape | None, list]:
         if not paths:
             return None, []
         shape, ranks = from_rank_paths(paths)
-        if int(ranks.max()) >= k:
-            raise ValueError(f"the tree template uses rank {int(ranks.max())}, but the matrix keeps only k={k} successors")
+        if int(ranks.max()) >= self.k:
+            raise ValueError(f"the tree template uses rank {int(ranks.max())}, but the matrix keeps only "
+                             f"k={self.k} successors")
         depths = torch.tensor(shape.depth_list[1:])
         parents = torch.tensor(shape.parents)
         levels = []
@@ -83,6 +91,10 @@ class TokenRecycling(Drafter):
             first, last = int(idx[0]) + 1, int(idx[-1]) + 2
             levels.append((parents[idx].to(self.device), ranks[idx].to(self.device), slice(first, last)))
         return shape, levels
+
+    def shape(self, context: int = 0) -> TreeShape | None:
+        """The tree shape verified at a context length (None: the plan drafts nothing there)."""
+        return self._tree(self.plan.trees[self.plan.index(context)])[0]
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
               prefill_hidden: torch.Tensor | None = None) -> None:
@@ -94,9 +106,11 @@ class TokenRecycling(Drafter):
     def propose(self, ids: list[int]) -> Draft | None:
         if self.shadow is not None:
             self.shadow.add(self._fill(self._shadow_tokens, self._shadow_levels, ids[-1]))
-        shape, levels = self.trees[self.plan.index(len(ids))]
+        shape, levels = self._tree(self.plan.trees[self.plan.index(len(ids))])
         if shape is None:  # the plan found no tree worth its cost at this context length
             return None
+        if len(self._tokens) < shape.n_nodes:
+            self._tokens = torch.zeros(shape.n_nodes, dtype=torch.long, device=self.device)
         return Draft(self._fill(self._tokens, levels, ids[-1])[1 : shape.n_nodes], shape)
 
     def _fill(self, tokens: torch.Tensor, levels: list, root: int) -> torch.Tensor:
@@ -111,9 +125,10 @@ class TokenRecycling(Drafter):
         return tokens
 
     def finish(self) -> dict:
-        return self.shadow.finish() if self.shadow is not None else {}
+        return {**(self.shadow.finish() if self.shadow is not None else {}), **self.plan.report()}
 
     def observe(self, step: Step) -> None:
+        self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks)
         if self.shadow is not None:
             self.shadow.emitted(step.emitted)
         n1 = step.shape.n_nodes
@@ -143,7 +158,7 @@ class TokenRecycling(Drafter):
             "matrix_shape": [self.vocab_size, self.k],
             "matrix_dtype": str(self.matrix.dtype).removeprefix("torch."),
             "matrix_bytes": self.vocab_size * self.k * self.matrix.element_size(),
-            "tree_nodes": [0 if shape is None else shape.n_nodes - 1 for shape, _ in self.trees],
-            "tree_depth": [0 if shape is None else max(shape.depth_list) for shape, _ in self.trees],
+            "tree_nodes": [len(paths) for paths in self.plan.trees],
+            "tree_depth": [max(map(len, paths), default=0) for paths in self.plan.trees],
             **({"plan": self.plan.describe()} if self.plan.sources else {}),
         }

@@ -220,7 +220,7 @@ class SamDecoding(Drafter):
             raise ValueError(f"method.max_chain must be at least 1, got {max_chain}")
         if factor < 0:
             raise ValueError(f"method.factor must be >= 0 (0: every chain is max_chain long), got {factor}")
-        if not isinstance(mode, PolicyPlan) and mode not in ("switch", "merge"):
+        if isinstance(mode, str) and mode not in ("switch", "merge"):
             raise ValueError(f"method.mode must be 'switch', 'merge' or 'auto', got {mode!r}")
         if score < 0:
             raise ValueError(f"method.score must be >= 0 (the chain length scored for statistics), got {score}")
@@ -232,15 +232,15 @@ class SamDecoding(Drafter):
         self.needs_prefill_logits = self.aux is not None and self.aux.needs_prefill_logits
         self.threshold, self.max_chain, self.factor, self.offset = threshold, max_chain, factor, offset
         self.mode, self.bias = mode, bias
-        self.policy = mode if isinstance(mode, PolicyPlan) else None
-        self.score = score
+        self.policy = None if isinstance(mode, str) else mode  # a PolicyPlan, fixed or correcting itself
+        self.score = max(score, self.policy.scores if self.policy is not None else 0)  # a self-correcting policy learns from scores
         self.context = Context()
         self.corpus_match = Match()
         self.sources: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
         self._children: tuple[TreeShape | None, list[list[int]]] = (None, [])
         self._scored: Counter[tuple[int, int, int]] = Counter()  # (class, chain depth, aux depth) -> steps
-        self._pending: list[tuple[int, int, list[int], list[int], tuple[int, ...]]] = []
+        self._pending: list[tuple[int, int, int, list[int], list[int], tuple[int, ...]]] = []
         self._stream: list[int] = []  # tokens emitted since the first step of the generation
 
     def finish(self) -> dict:
@@ -252,6 +252,8 @@ class SamDecoding(Drafter):
             facts["policy_shadow"] = {f"{m}:{c}:{a}": n for (m, c, a), n in sorted(self._scored.items())}
             self._scored.clear()
             self._stream = []
+        if self.policy is not None:
+            facts |= self.policy.report()
         return facts
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
@@ -304,7 +306,7 @@ class SamDecoding(Drafter):
         klass = min(length, MAX_CLASS)
         aux = self.aux.propose(ids) if self.aux is not None else None
         if self.score:
-            self._pending.append((len(self._stream), klass, tokens[: self.score],
+            self._pending.append((len(self._stream), len(ids), klass, tokens[: self.score],
                                   aux.tokens.tolist() if aux is not None else [],
                                   aux.shape.parents if aux is not None else ()))
         if self.policy is None:
@@ -369,6 +371,8 @@ class SamDecoding(Drafter):
     def observe(self, step: Step) -> None:
         if self.aux is not None:  # whichever draft was verified: the matrix learns from every forward
             self.aux.observe(step)
+        if self.policy is not None:
+            self.policy.observe_cost(step.position + 1, step.fed, step.seconds)
         if self.score:
             self._stream += step.emitted
             self._score_pending(final=False)
@@ -378,10 +382,10 @@ class SamDecoding(Drafter):
         on the drafts, so how deep each would have been accepted is exact). At the end of a generation the
         continuation is cut, and so are the depths."""
         waiting = []
-        for start, klass, tokens, aux_tokens, parents in self._pending:
+        for start, context, klass, tokens, aux_tokens, parents in self._pending:
             truth = self._stream[start : start + max(len(tokens), len(parents))]
             if len(truth) < max(len(tokens), len(parents)) and not final:
-                waiting.append((start, klass, tokens, aux_tokens, parents))
+                waiting.append((start, context, klass, tokens, aux_tokens, parents))
                 continue
             depth = 0
             while depth < min(len(tokens), len(truth)) and tokens[depth] == truth[depth]:
@@ -393,6 +397,8 @@ class SamDecoding(Drafter):
                 node_depth.append(d if ok else -1)
                 aux_depth = max(aux_depth, d if ok else 0)
             self._scored[klass, depth, aux_depth] += 1
+            if self.policy is not None:
+                self.policy.observe_scored(klass, depth, aux_depth, context)
         self._pending = waiting
 
     def describe(self) -> dict:

@@ -14,6 +14,13 @@ the device calibration at the context length. The time of a tree's forward grows
 (its queries attend to the whole prefix), so a plan holds one tree per context bucket. A drafter that
 runs a forward of its own per depth (EAGLE's head) adds its drafting time (:class:`DraftCost`) to the
 step: then the tree is the ``n`` most-accepted nodes no deeper than ``D``, for the best ``n`` and ``D``.
+
+Both inputs are measured, so both are uncertain: the step times have bootstrap replicates
+(:class:`methods.costs.CostCurve`) and the acceptance shares come from a finite number of steps. Every
+candidate's predicted speed gets a replicate per calibration replicate, and the plan takes the *cheapest*
+candidate that the fastest one does not beat in ``CONFIDENCE`` of the replicates: a larger tree must win by
+more than the uncertainty of its prediction, and where no tree beats drafting nothing, the plan drafts
+nothing and says so (its predicted speedup's interval includes 1.0x).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
-from methods.tree import TreeShape
+from methods.costs import CONFIDENCE, REPLICATES, bounds, exact
+from methods.tree import TreeShape, load_template
 
 RankPath = tuple[int, ...]
 
@@ -37,6 +46,7 @@ class NodeStats:
 
     probs: Mapping[RankPath, float]  # share of drafting steps in which the node was accepted
     draft_rate: float = 1.0  # share of steps that drafted at all (PLD: a match was found)
+    steps: int = 0  # drafting steps the shares were measured on (0: exact, e.g. a synthetic test)
 
     def ranked(self) -> list[tuple[RankPath, float]]:
         """Nodes that were ever accepted, best first; every prefix of the list is a tree."""
@@ -74,6 +84,7 @@ class Choice:
     tokens_per_s: float  # predicted decode tokens/s
     baseline_tokens_per_s: float  # predicted for greedy decoding (no draft) at the same context
     draft_ms: float | None = None  # the drafter's own predicted time per drafting step (in step_ms; None: not modelled)
+    speedup_interval: tuple[float, float] | None = None  # the predicted speedup's 90% interval over the replicates
 
     @property
     def n_nodes(self) -> int:
@@ -88,7 +99,15 @@ class Choice:
             **({"draft_ms": round(self.draft_ms, 3)} if self.draft_ms is not None else {}),
             "predicted_tokens_per_s": round(self.tokens_per_s, 3),
             "predicted_speedup": round(self.tokens_per_s / self.baseline_tokens_per_s, 4),
+            **_interval(self.speedup_interval),
         }
+
+
+def _interval(interval: tuple[float, float] | None) -> dict:
+    """A predicted speedup's interval as a plan records it, and whether it clears 1.0x."""
+    if interval is None:
+        return {}
+    return {"predicted_speedup_interval": [round(v, 4) for v in interval], "beyond_noise": interval[0] > 1.0}
 
 
 @dataclass(frozen=True)
@@ -103,6 +122,8 @@ class TreePlan:
         if len(self.bounds) != len(self.choices) - 1:
             raise ValueError("a tree plan needs one bound between every two buckets")
 
+    version = 0  # a plan that corrects itself while it runs (methods.online) counts its changes here
+
     def index(self, context: int) -> int:
         """The bucket of a context length (prompt + output so far)."""
         return bisect.bisect_right(self.bounds, context)
@@ -111,15 +132,40 @@ class TreePlan:
     def trees(self) -> list[tuple[RankPath, ...]]:
         return [c.paths for c in self.choices]
 
+    def observe(self, context: int, fed: int, seconds: float, ranks: Sequence[int]) -> None:
+        """A step made with this plan (a fixed plan learns nothing; methods.online's does)."""
+
+    def report(self) -> dict:
+        """What the plan did during a turn, for the turn's record ({} for a fixed plan)."""
+        return {}
+
     def describe(self) -> dict:
         return {"buckets": [{"below": b, **c.describe()} for c, b in zip(self.choices, [*self.bounds, None])],
                 "sources": self.sources}
 
 
+def _replicates(cost: Callable[[int], float]) -> Callable[[int], np.ndarray]:
+    """A cost's replicates ([B] seconds per block size): its own where it has them, else the value itself."""
+    return getattr(cost, "replicates", None) or exact(cost)
+
+
+def _accepted_se(nodes: Sequence[tuple[RankPath, float]], rate: float, steps: int) -> float:
+    """The standard error of a tree's mean accepted drafts per step, from its nodes' shares over ``steps``.
+
+    The accepted drafts of a step are the nodes on one root path: a node's indicator overlaps its ancestors'
+    (both accepted: the node's share) and excludes its siblings', so E[L^2] = sum_j p_j (2 depth_j - 1)."""
+    if not steps or not nodes:
+        return 0.0
+    mean = sum(p for _, p in nodes)
+    square = sum(p * (2 * len(path) - 1) for path, p in nodes)
+    return rate * math.sqrt(max(square - mean * mean, 0.0) / steps)
+
+
 def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes: int | None = None,
-              context: int = 0, draft: DraftCost | None = None) -> Choice:
-    """The tree maximising expected tokens per second, given the time of a step that verifies ``q`` tokens
-    and, when ``draft`` is given, the drafter's own time for the tree.
+              context: int = 0, draft: DraftCost | None = None, confidence: float = CONFIDENCE) -> Choice:
+    """The tree to verify: the cheapest candidate that the one of most expected tokens per second does not beat
+    in ``confidence`` of the replicates (of the step times, where ``step_seconds`` has them: a
+    :class:`~methods.costs.ContextCost`, and of the acceptance, drawn from its standard error).
 
     Steps that do not draft (``1 - draft_rate`` of them) verify the root alone. With a drafting cost that
     grows with depth, every depth limit ``D`` is tried: the ``n`` most-accepted nodes no deeper than ``D``
@@ -127,9 +173,11 @@ def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes:
     """
     ranked = stats.ranked()[:max_nodes]
     rate = stats.draft_rate
-    base = step_seconds(1)
+    reps = _replicates(step_seconds)
+    base, base_b = step_seconds(1), reps(1)
+    noise = np.random.default_rng(0).standard_normal(REPLICATES)  # common to every candidate: a paired comparison
     limits = sorted({len(p) for p, _ in ranked}) if draft is not None else [None]
-    best: tuple[float, tuple, float, float, float] | None = None
+    candidates = []  # (speed, seconds, paths, tokens, drafting, speeds over the replicates)
     for limit in limits:
         nodes = [(p, q) for p, q in ranked if limit is None or len(p) <= limit]
         gain, depth, inner, parents = 0.0, 0, 0, set()
@@ -144,21 +192,31 @@ def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes:
                     inner += 1
                 drafting = draft.seconds(depth, inner) if draft is not None else 0.0
             tokens = 1 + rate * gain
-            seconds = rate * (step_seconds(n + 1) + drafting) + (1 - rate) * base if n else base
-            speed = tokens / seconds
-            if best is None or speed > best[0] + 1e-12:
-                best = (speed, tuple(p for p, _ in nodes[:n]), tokens, seconds, drafting)
-    speed, chosen, tokens, seconds, drafting = best
+            if n:
+                seconds = rate * (step_seconds(n + 1) + drafting) + (1 - rate) * base
+                seconds_b = rate * (reps(n + 1) + drafting) + (1 - rate) * base_b
+            else:
+                seconds, seconds_b = base, base_b
+            tokens_b = np.maximum(tokens + noise * _accepted_se(nodes[:n], rate, stats.steps), 1.0)
+            candidates.append((tokens / seconds, seconds, tuple(p for p, _ in nodes[:n]), tokens, drafting,
+                               tokens_b / seconds_b))
+    fastest = max(candidates, key=lambda c: c[0])
+    # the cheapest candidate the fastest does not clearly beat (the fastest itself at worst)
+    speed, seconds, chosen, tokens, drafting, speed_b = min(
+        (c for c in candidates if c is fastest or np.mean(fastest[5] > c[5]) < confidence),
+        key=lambda c: (c[1], -c[0]))
     paths = tuple(sorted(chosen, key=lambda p: (len(p), p)))
-    return Choice(paths=paths, context=context, draft_rate=rate if paths else 0.0, expected_tokens=tokens, step_ms=1000 * seconds,
-                  tokens_per_s=speed, baseline_tokens_per_s=1 / base,
-                  draft_ms=1000 * drafting if draft is not None else None)
+    interval = tuple(float(v) for v in np.quantile(speed_b * base_b, [0.05, 0.95]))
+    return Choice(paths=paths, context=context, draft_rate=rate if paths else 0.0, expected_tokens=tokens,
+                  step_ms=1000 * seconds, tokens_per_s=speed, baseline_tokens_per_s=1 / base,
+                  draft_ms=1000 * drafting if draft is not None else None, speedup_interval=interval)
 
 
-def plan(stats: NodeStats, step_seconds: Callable[[int, int], float], contexts: Sequence[int],
+def plan(stats: NodeStats, cost_at: Callable[[int], Callable[[int], float]], contexts: Sequence[int],
          max_nodes: int | None = None, sources: dict | None = None,
          draft: Callable[[int], DraftCost] | None = None) -> TreePlan:
-    """A tree per calibrated context; a bucket ends halfway (geometrically) to the next context.
+    """A tree per calibrated context, ``cost_at(context)`` being the step cost there (a function of the block
+    size, with replicates where it has them); a bucket ends halfway (geometrically) to the next context.
     ``draft``: the drafter's own cost at a context length, for drafters that have one worth modelling.
 
     Adjacent buckets that chose the same tree are merged, so a plan whose choice does not depend on
@@ -167,18 +225,16 @@ def plan(stats: NodeStats, step_seconds: Callable[[int, int], float], contexts: 
     contexts = sorted(set(contexts))
     if not contexts:
         raise ValueError("a tree plan needs at least one calibrated context length")
-    choices = [best_tree(stats, lambda q, c=c: step_seconds(q, c), max_nodes, c, draft(c) if draft else None)
-               for c in contexts]
-    merged, bounds = _buckets(contexts, choices, lambda choice: choice.paths)
-    return TreePlan(choices=merged, bounds=bounds, sources=dict(sources or {}))
+    choices = [best_tree(stats, cost_at(c), max_nodes, c, draft(c) if draft else None) for c in contexts]
+    merged, kept = _buckets(contexts, choices, lambda choice: choice.paths)
+    return TreePlan(choices=merged, bounds=kept, sources=dict(sources or {}))
 
 
 def _buckets(contexts: Sequence[int], choices: Sequence, same: Callable) -> tuple[tuple, tuple[int, ...]]:
     """Choices made at sorted calibrated contexts as buckets: each ends halfway (geometrically) to the next
     context, and neighbours whose ``same(choice)`` agree merge."""
-    bounds = [math.isqrt(a * b) for a, b in zip(contexts, contexts[1:])]
     merged, kept = [choices[0]], []
-    for choice, bound in zip(choices[1:], bounds):
+    for choice, bound in zip(choices[1:], bounds(contexts)):
         if same(choice) == same(merged[-1]):
             continue
         merged.append(choice)
@@ -190,6 +246,14 @@ def fixed(paths: Sequence[Sequence[int]]) -> TreePlan:
     """A plan with one given tree for every context (predictions unknown)."""
     nan = math.nan
     return TreePlan(choices=(Choice(tuple(map(tuple, paths)), 0, nan, nan, nan, nan, nan),))
+
+
+def as_plan(tree: object) -> TreePlan:
+    """A drafter's ``tree`` argument as a plan: a plan (``tree=auto``: a :class:`TreePlan`, or one that corrects
+    itself while it runs, :mod:`methods.online`) as it is, a template name or rank paths as a fixed plan."""
+    if hasattr(tree, "trees"):
+        return tree
+    return fixed(load_template(tree) if isinstance(tree, str) else tree)
 
 
 class ShadowTree:
@@ -280,6 +344,7 @@ class PolicyChoice:
     step_ms: float
     tokens_per_s: float
     baseline_tokens_per_s: float
+    speedup_interval: tuple[float, float] | None = None  # the predicted speedup's 90% interval over the replicates
 
     def option(self, klass: int) -> StepOption:
         return self.options[min(klass, len(self.options) - 1)]
@@ -293,7 +358,8 @@ class PolicyChoice:
                 start = i
         return {"context": self.context, "by_class": dict(runs), "expected_tokens": round(self.expected_tokens, 4),
                 "step_ms": round(self.step_ms, 3), "predicted_tokens_per_s": round(self.tokens_per_s, 3),
-                "predicted_speedup": round(self.tokens_per_s / self.baseline_tokens_per_s, 4)}
+                "predicted_speedup": round(self.tokens_per_s / self.baseline_tokens_per_s, 4),
+                **_interval(self.speedup_interval)}
 
 
 @dataclass(frozen=True)
@@ -304,8 +370,19 @@ class PolicyPlan:
     bounds: tuple[int, ...] = ()
     sources: dict = field(default_factory=dict, compare=False)
 
+    scores = 0  # the chain length a self-correcting policy (methods.online) needs scored at every step
+
     def option(self, context: int, klass: int) -> StepOption:
         return self.choices[bisect.bisect_right(self.bounds, context)].option(klass)
+
+    def observe_cost(self, context: int, fed: int, seconds: float) -> None:
+        """A step's cost (a fixed policy learns nothing; methods.online's does)."""
+
+    def observe_scored(self, klass: int, chain: int, aux: int, context: int) -> None:
+        """A step scored against its continuation: how deep the chain and the auxiliary draft were accepted."""
+
+    def report(self) -> dict:
+        return {}
 
     @cached_property
     def max_chain(self) -> int:
@@ -321,24 +398,34 @@ ClassCounts = Mapping[int, Mapping[tuple[int, int], int]]  # class -> (chain dep
 
 
 def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_nodes: int, max_chain: int,
-                context: int = 0) -> PolicyChoice:
-    """The option per class maximising tokens per second over all steps (Dinkelbach's method).
+                context: int = 0, confidence: float = CONFIDENCE) -> PolicyChoice:
+    """The option per class maximising tokens per second over all steps (Dinkelbach's method), then, class by
+    class, the cheapest option that the best one does not beat by more than the uncertainty.
 
     The best ratio ``sum(n_c E_c) / sum(n_c T_c)`` over independent per-class options is found by choosing,
     for the current rate ``r``, every class's option maximising ``E - r T``, then updating ``r`` to the
     ratio this gives; the rate rises at every round and stops at the optimum. A step verifying ``L``
     chain tokens and an ``aux_nodes`` tree costs a step over ``1 + L + aux_nodes`` tokens (shared trie
-    prefixes not subtracted); ``aux_nodes=0``: no auxiliary tree at this context.
+    prefixes not subtracted); ``aux_nodes=0``: no auxiliary tree at this context. An option gives way to a
+    cheaper one unless its ``E - r T`` is higher in ``confidence`` of the replicates: of the step times (where
+    ``step_seconds`` has them) and of the two options' accepted tokens on the same steps (paired, from the
+    class's counts). Where the whole policy does not beat drafting nothing, it drafts nothing.
     """
-    base = step_seconds(1)
+    reps = _replicates(step_seconds)
+    base, base_b = step_seconds(1), reps(1)
+    noise = np.random.default_rng(0).standard_normal(REPLICATES)
     options = [StepOption(aux, length) for aux in ((False, True) if aux_nodes else (False,))
                for length in range(max_chain + 1)]
-    seconds = {o: step_seconds(1 + o.chain + (aux_nodes if o.aux else 0)) for o in options}
+    size = {o: 1 + o.chain + (aux_nodes if o.aux else 0) for o in options}
+    seconds = {o: step_seconds(size[o]) for o in options}
+    seconds_b = {o: reps(size[o]) for o in options}
     weight = {klass: sum(table.values()) for klass, table in counts.items()}
     total = sum(weight.values())
-    tokens = {(klass, o): 1 + sum(k * max(min(c, o.chain), a if o.aux else 0) for (c, a), k in table.items())
-              / weight[klass] for klass, table in counts.items() for o in options}
-    rate, chosen, expected, step = 1 / base, {}, 1.0, base
+    per_step = {(klass, o): np.array([1 + max(min(c, o.chain), a if o.aux else 0) for c, a in table], dtype=float)
+                for klass, table in counts.items() for o in options}  # accepted tokens, one entry per (c, a) cell
+    cells = {klass: np.array(list(table.values()), dtype=float) for klass, table in counts.items()}
+    tokens = {(klass, o): float(per_step[klass, o] @ cells[klass]) / weight[klass] for klass in counts for o in options}
+    rate, chosen = 1 / base, {}
     for _ in range(100):
         chosen = {klass: max(options, key=lambda o: (tokens[klass, o] - rate * seconds[o], -seconds[o]))
                   for klass in counts}
@@ -349,21 +436,47 @@ def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_n
         if expected / step <= rate * (1 + 1e-12):
             break
         rate = expected / step
+    for klass, best in chosen.items():
+        def clearly_better(o: StepOption) -> bool:  # does `best` beat the cheaper `o` in the replicates?
+            diff = per_step[klass, best] - per_step[klass, o]  # per step of this class, same steps
+            mean = float(diff @ cells[klass]) / weight[klass]
+            var = float((diff - mean) ** 2 @ cells[klass]) / weight[klass]
+            gain = mean + noise * math.sqrt(var / weight[klass]) - rate * (seconds_b[best] - seconds_b[o])
+            return bool(np.mean(gain > 0) >= confidence)
+        cheaper = sorted((o for o in options if seconds[o] < seconds[best]), key=lambda o: seconds[o])
+        chosen[klass] = next((o for o in cheaper if not clearly_better(o)), best)
+    return _policy_choice(chosen, counts, weight, tokens, seconds, seconds_b, base, base_b, context, confidence)
+
+
+def _policy_choice(chosen: dict, counts: ClassCounts, weight: dict, tokens: dict, seconds: dict, seconds_b: dict,
+                   base: float, base_b: np.ndarray, context: int, confidence: float) -> PolicyChoice:
+    """The policy of ``chosen`` options with its prediction; none at all where it does not beat drafting nothing."""
+    total = sum(weight.values())
+    none = StepOption(False, 0)
+    expected = sum(weight[k] * tokens[k, o] for k, o in chosen.items()) / total if total else 1.0
+    step = sum(weight[k] * seconds[o] for k, o in chosen.items()) / total if total else base
+    step_b = sum(weight[k] * seconds_b[o] for k, o in chosen.items()) / total if total else base_b
+    speedup_b = expected / step_b * base_b
+    if any(o != none for o in chosen.values()) and np.mean(speedup_b > 1) < confidence:
+        chosen = dict.fromkeys(chosen, none)  # no gain beyond the noise: draft nothing
+        expected, step, speedup_b = 1.0, base, np.ones_like(base_b)
     # a class never seen takes the option of the nearest seen class below it (a longer match is no worse)
-    fallback, by_class = StepOption(False, 0), []
+    fallback, by_class = none, []
     for klass in range(MAX_CLASS + 1):
         fallback = chosen.get(klass, fallback)
         by_class.append(fallback)
+    interval = tuple(float(v) for v in np.quantile(speedup_b, [0.05, 0.95]))
     return PolicyChoice(options=tuple(by_class), context=context, expected_tokens=expected, step_ms=1000 * step,
-                        tokens_per_s=expected / step, baseline_tokens_per_s=1 / base)
+                        tokens_per_s=expected / step, baseline_tokens_per_s=1 / base, speedup_interval=interval)
 
 
-def policy_plan(counts: ClassCounts, step_seconds: Callable[[int, int], float], contexts: Sequence[int],
+def policy_plan(counts: ClassCounts, cost_at: Callable[[int], Callable[[int], float]], contexts: Sequence[int],
                 aux_nodes: Callable[[int], int], max_chain: int, sources: dict | None = None) -> PolicyPlan:
-    """A policy per calibrated context (the auxiliary tree's size there: ``aux_nodes(context)``)."""
+    """A policy per calibrated context (``cost_at(context)``: the step cost there; the auxiliary tree's size
+    there: ``aux_nodes(context)``)."""
     contexts = sorted(set(contexts))
     if not contexts:
         raise ValueError("a policy plan needs at least one calibrated context length")
-    choices = [best_policy(counts, lambda q, c=c: step_seconds(q, c), aux_nodes(c), max_chain, c) for c in contexts]
-    merged, bounds = _buckets(contexts, choices, lambda choice: choice.options)
-    return PolicyPlan(choices=merged, bounds=bounds, sources=dict(sources or {}))
+    choices = [best_policy(counts, cost_at(c), aux_nodes(c), max_chain, c) for c in contexts]
+    merged, kept = _buckets(contexts, choices, lambda choice: choice.options)
+    return PolicyPlan(choices=merged, bounds=kept, sources=dict(sources or {}))

@@ -7,12 +7,14 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from evaluation import acceptance, analysis, calibrate, plots, speedup, steps, store
 from evaluation.acceptance import collect, count
 from evaluation.store import AcceptanceError, AutoTreeError, Calibration
+from methods.costs import isotonic, smoother
 from evaluation.run import run
 from helpers import config, tiny_checkpoint
 from methods.engine import Engine
@@ -22,6 +24,9 @@ from methods.tree_search import DraftCost, NodeStats, best_tree, plan
 
 from conftest import VOCAB
 
+# a calibration of the tiny model in a few seconds: the sizes up to 16, two contexts, two rounds, no extra time
+CAL = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.min_rounds=2",
+       "calibration.budget_s=0"]
 PROBS = {(0,): 0.5, (1,): 0.2, (0, 0): 0.3, (0, 1): 0.1, (1, 0): 0.05, (0, 0, 0): 0.15}
 
 
@@ -99,12 +104,12 @@ def test_drafting_calibration_fits_its_cost_and_interpolates_it_over_the_context
 
 def test_plan_shrinks_the_tree_as_the_context_makes_it_dearer_and_merges_equal_buckets():
     stats = NodeStats(PROBS)
-    dearer = plan(stats, lambda q, c: 1 + (q - 1) * c / 1000, contexts=[10, 100, 400, 4000])
+    dearer = plan(stats, lambda c: lambda q: 1 + (q - 1) * c / 1000, contexts=[10, 100, 400, 4000])
     sizes = [c.n_nodes for c in dearer.choices]
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 0
     assert len(dearer.bounds) == len(dearer.choices) - 1
     assert dearer.index(0) == 0 and dearer.index(10**6) == len(dearer.choices) - 1
-    flat = plan(stats, linear(0.01), contexts=[128, 512, 2048])
+    flat = plan(stats, lambda c: linear(0.01), contexts=[128, 512, 2048])
     assert len(flat.choices) == 1 and flat.bounds == ()
 
 
@@ -123,7 +128,7 @@ def test_the_engine_records_every_steps_accepted_ranks_and_block_size(llama):
     prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]
     engine.generate(prompt, drafter, 40)  # hot start: the second generation accepts drafts
     gen = engine.generate(prompt, drafter, 40)
-    shape = drafter.trees[0][0]
+    shape = drafter.shape()
     assert len(gen.accept_paths) == len(gen.block_sizes) == gen.decoding_steps
     assert set(gen.block_sizes) == {shape.size}
     assert [len(p) + 1 for p in gen.accept_paths[:-1]] == gen.accept_lengths[:-1]
@@ -140,65 +145,76 @@ def test_count_pools_accepted_prefixes_over_drafting_steps():
     assert nodes == {(0,): 1, (0, 1): 1, (2,): 1}
 
 
+def synthetic(contexts: tuple, sizes: tuple, rows: list, repeats: int = 5, spread: float = 0.0) -> Calibration:
+    """A calibration whose every point was timed ``repeats`` times around the given times (ms), +/- ``spread``."""
+    offsets = [spread * (2 * r / (repeats - 1) - 1) for r in range(repeats)] if repeats > 1 else [0.0]
+    samples = tuple(tuple(tuple(t * (1 + o) for o in offsets) for t in row) for row in rows)
+    return Calibration(key={}, contexts=contexts, sizes=sizes, samples_ms=samples, drift={}, provenance={})
+
+
 def test_calibration_interpolates_and_extrapolates_linearly():
-    cal = Calibration(key={}, contexts=(100, 300), sizes=(1, 3), step_ms=((10.0, 20.0), (30.0, 40.0)),
-                      forward_ms=((9.0, 19.0), (29.0, 39.0)), provenance={})
+    cal = synthetic((100, 300), (1, 3), [(10.0, 20.0), (30.0, 40.0)])
     assert cal.seconds(2, 200) == pytest.approx(0.025)
     assert cal.seconds(5, 100) == pytest.approx(0.030)  # past the largest q: the last slope goes on
     assert cal.seconds(1, 500) == pytest.approx(0.050)  # past the longest context likewise
 
 
 def test_calibration_fits_step_times_that_never_fall_with_the_context():
-    assert store.isotonic([45, 79, 96, 77, 80, 103]) == pytest.approx((45, 79, 84.333, 84.333, 84.333, 103), abs=1e-3)
-    assert store.isotonic([1, 2, 3]) == (1, 2, 3)
+    assert isotonic([45, 79, 96, 77, 80, 103]) == pytest.approx((45, 79, 84.333, 84.333, 84.333, 103), abs=1e-3)
+    assert tuple(isotonic([1, 2, 3])) == (1, 2, 3)
     # a slow repeat at q=1 for context 300 would make q=2 look nearly free there; along q, cost stays as measured
-    cal = Calibration(key={}, contexts=(100, 300, 500), sizes=(1, 2, 3),
-                      step_ms=((10.0, 20.0, 18.0), (18.0, 19.0, 19.0), (12.0, 22.0, 21.0)),
-                      forward_ms=((9.0, 19.0, 17.0), (17.0, 18.0, 18.0), (11.0, 21.0, 20.0)), provenance={})
-    fitted = [t for row in cal.fitted_ms for t in row]  # a line over the three contexts for every q
+    cal = synthetic((100, 300, 500), (1, 2, 3), [(10.0, 20.0, 18.0), (18.0, 19.0, 19.0), (12.0, 22.0, 21.0)])
+    fitted = cal.curve.fitted.flatten().tolist()  # a line over the three contexts for every q
     assert fitted == pytest.approx([37 / 3, 58 / 3, 107 / 6, 40 / 3, 61 / 3, 116 / 6, 43 / 3, 64 / 3, 125 / 6])
     assert cal.seconds(2, 300) / cal.seconds(1, 300) == pytest.approx(61 / 40)  # not 19 / 18
     assert cal.seconds(3, 100) < cal.seconds(2, 100)  # a q that fills the kernels' blocks may cost less
 
 
-def test_calibration_times_every_size_after_a_step_of_its_own_size(monkeypatch):
-    """A small block right after a large one runs slower (measured on an Intel Xeon); a run's steps are of similar
-    sizes, so a size is timed after one of its own, never after the previous size of the round."""
+def test_calibration_times_every_size_in_ascending_rounds_after_a_single_token(monkeypatch):
+    """A small block right after a large one runs slower on some CPUs; a run's steps are of similar sizes, so a round
+    times the sizes in ascending order after an untimed single-token step, never a size right after a larger one."""
     clock = [0.0]
     monkeypatch.setattr(calibrate, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
 
     class Stub:  # a step of q tokens takes q ms, 5 ms more right after a larger block
-        device, cache_kw, forward_time, last = torch.device("cpu"), "past_key_values", 0.0, 0
+        device, cache_kw, max_length, last = torch.device("cpu"), "past_key_values", None, 0
 
         def model(self, **kwargs): pass
 
         def sync(self): pass
+
+        def new_cache(self, capacity): return type("Cache", (), {"commit": lambda self, n: None})()
+
+        def generate(self, prompt, drafter, n): return type("Gen", (), {"output_ids": [0] * n})()
 
         def verify(self, root, position, draft, cache):
             q = 1 if draft is None else draft.shape.size
             clock[0] += (q + 5 * (self.last > q)) / 1000
             self.last = q
 
-    step_ms, _ = calibrate.measure(Stub(), VOCAB, [1, 2, 8], [16], repeats=3, progress=False)
-    assert step_ms == [pytest.approx([1.0, 2.0, 8.0])]
+    samples, drift = calibrate.measure(Stub(), VOCAB, [1, 2, 8], [16], min_rounds=3, budget_s=0, target=0.02,
+                                       decision_ratio=3, progress=False)
+    assert samples == [[pytest.approx([1.0] * 3), pytest.approx([2.0] * 3), pytest.approx([8.0] * 3)]]
+    assert drift["start"] == pytest.approx([1.0] * 5) and drift["end"] == pytest.approx([1.0] * 5)
+    assert not drift["beyond_noise"]
 
 
 def test_calibration_smooths_one_noisy_context_towards_its_neighbours():
     contexts = (128, 256, 512, 768, 1024, 1536, 2048)
-    curve = [50 + 0.01 * c + 4e-6 * c * c for c in contexts]  # a step's time: about linear, a little convex
-    assert store.smooth(contexts, curve) == pytest.approx(curve)
-    noisy = list(curve)
+    curve = np.array([50 + 0.01 * c + 4e-6 * c * c for c in contexts])  # a step's time: about linear, a little convex
+    assert smoother(contexts) @ curve == pytest.approx(curve)
+    noisy = curve.copy()
     noisy[2] *= 1.15  # one slow point
-    fitted = store.smooth(contexts, noisy)
-    assert abs(fitted[2] / curve[2] - 1) < 0.08
-    assert store.smooth((128,), (5.0,)) == (5.0,) and store.smooth((1, 3), (2, 4)) == pytest.approx((2, 4))
+    assert abs((smoother(contexts) @ noisy)[2] / curve[2] - 1) < 0.08
+    assert smoother((128,)) @ np.array([5.0]) == pytest.approx([5.0])
+    assert smoother((1, 3)) @ np.array([2.0, 4.0]) == pytest.approx([2, 4])
 
 
 def test_calibration_pads_a_block_to_a_larger_size_that_runs_faster():
-    # as measured on this CPU: 3 and 7 tokens cost more than 4 and 8; 5 is within PAD_GAIN of 6
-    cal = Calibration(key={}, contexts=(100, 400), sizes=(1, 2, 3, 4, 5, 6, 7, 8),
-                      step_ms=((50.0, 80.0, 100.0, 70.0, 75.0, 73.0, 100.0, 80.0),) * 2,
-                      forward_ms=((50.0,) * 8,) * 2, provenance={})
+    # as measured on this CPU: 3 and 7 tokens cost more than 4 and 8; 5 is within PAD_GAIN of 6; every point
+    # measured 5 times within +/-1%: the gains are well beyond the noise
+    cal = synthetic((100, 400), (1, 2, 3, 4, 5, 6, 7, 8), [(50.0, 80.0, 100.0, 70.0, 75.0, 73.0, 100.0, 80.0)] * 2,
+                    spread=0.01)
     padding = cal.padding
     assert padding.bounds == (200,)
     assert [padding.size(q, 150) for q in range(1, 10)] == [1, 4, 4, 4, 5, 6, 8, 8, 9]
@@ -228,15 +244,15 @@ def tiny(tmp_path_factory) -> dict:
 
 
 def test_calibration_file_is_keyed_reused_and_refused_elsewhere(tiny):
-    common = [*tiny["common"], "calibration.sizes=[1,2,4,8]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    common = [*tiny["common"], *CAL]
     cfg = config(*common, name="calibrate")
     path = calibrate.calibrate(cfg)
     cal = Calibration.load(path)
     assert cal.key["threads"] == torch.get_num_threads() and cal.key["dtype"] == "float32"
-    assert cal.contexts == (16, 64) and cal.sizes == (1, 2, 4, 8)
-    assert all(t > 0 for row in cal.step_ms for t in row)
-    assert all(f <= s for fs, ss in zip(cal.forward_ms, cal.step_ms) for f, s in zip(fs, ss))
-    assert path.with_suffix(".png").is_file()
+    assert cal.contexts == (16, 64) and cal.sizes == (1, 2, 4, 8, 16)
+    assert all(len(point) >= 2 and min(point) > 0 for row in cal.samples_ms for point in row)
+    assert set(cal.drift) >= {"start", "middle", "end", "verdict"} and cal.key["format"] == store.CALIBRATION_FORMAT
+    assert path.with_suffix(".png").is_file() and "repeats a point" in cal.summary()
     mtime = path.stat().st_mtime_ns
     assert calibrate.calibrate(cfg) == path and path.stat().st_mtime_ns == mtime  # same key: reused
     other = json.loads(path.read_text())
@@ -257,7 +273,7 @@ def test_calibration_file_is_keyed_reused_and_refused_elsewhere(tiny):
 
 
 def test_tree_auto_without_statistics_names_the_command(tiny):
-    cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    cal_cfg = CAL
     calibrate.calibrate(config(*tiny["common"], *cal_cfg, name="calibrate"))  # whichever test ran first here
     with pytest.raises(AutoTreeError, match="python -m evaluation.acceptance .*method=recycling"):
         run(config(*tiny["common"], f"data.path={tiny['eval']}", "method=recycling", "method.tree=auto",
@@ -288,7 +304,7 @@ def test_without_a_calibration_tree_auto_names_the_command(tmp_path, tiny):
     (["method=eagle", "method.head=random"], "tree", "wide"),  # a drafter with forwards of its own
 ], ids=["recycling", "pld", "eagle"])
 def test_tree_auto_end_to_end_is_lossless_and_reports_its_prediction(tiny, method, param, candidate, capsys):
-    cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    cal_cfg = CAL
     calibrate.calibrate(config(*tiny["common"], *cal_cfg, name="calibrate"))
     stats_path = collect(config(*tiny["common"], f"data.path={tiny['calib']}", *method))
     stats = json.loads(stats_path.read_text())
@@ -354,7 +370,7 @@ def test_a_smaller_candidate_collects_statistics_of_its_own_nodes_only(tiny, tmp
 
 
 def test_sam_falls_back_on_the_tree_chosen_from_token_recyclings_statistics(tiny):
-    cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    cal_cfg = CAL
     calibrate.calibrate(config(*tiny["common"], *cal_cfg, name="calibrate"))
     stats_path = collect(config(*tiny["common"], f"data.path={tiny['calib']}", "method=sam"))  # recycling's
     assert stats_path.name.startswith("acceptance-hf-float32-recycling-")
@@ -370,7 +386,8 @@ def test_sam_falls_back_on_the_tree_chosen_from_token_recyclings_statistics(tiny
 
 
 def test_sam_mode_auto_chooses_by_match_length_from_its_own_statistics(tiny, tmp_path):
-    cal_cfg = ["calibration.sizes=[1,2,4,8,16,24]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    cal_cfg = ["calibration.sizes=[1,2,4,8,16,24]", "calibration.contexts=[16,64]", "calibration.min_rounds=2",
+               "calibration.budget_s=0"]
     calibrate.calibrate(config(*tiny["common"], *cal_cfg, f"autotree.dir={tmp_path}", name="calibrate"))
     method = ["method=sam", "method.mode=auto", "method.threshold=2", f"autotree.dir={tmp_path}"]
     with pytest.raises(AutoTreeError, match=r"method.mode=auto needs policy statistics .*python -m evaluation\.acceptance .*method=sam"):
@@ -460,7 +477,7 @@ def test_statistics_count_the_shadow_tree_when_the_drafter_scored_one():
 
 def test_statistics_for_tree_auto_are_collected_as_for_the_default_tree(tiny, tmp_path):
     """`make calibrate` passes an entry's settings as written: recycling:tree=auto, with no statistics yet."""
-    cal_cfg = ["calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    cal_cfg = CAL
     own = [*tiny["common"], f"autotree.dir={tmp_path}"]
     calibrate.calibrate(config(*own, *cal_cfg, name="calibrate"))
     stats = json.loads(collect(config(*own, f"data.path={tiny['calib']}", "method=recycling", "method.tree=auto")).read_text())

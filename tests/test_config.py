@@ -31,7 +31,7 @@ def test_recycling_overrides_and_label():
     cfg = config("method=recycling", "method.tree=paper-b4", "method.k=4", "method.start=cold")
     assert cfg.method.label == "recycling-paper-b4-k4-cold"
     drafter = build_drafter(cfg.method, vocab_size=64, device="cpu")
-    assert drafter.k == 4 and drafter.start == "cold" and drafter.trees[0][0].n_nodes == 16
+    assert drafter.k == 4 and drafter.start == "cold" and drafter.shape().n_nodes == 16
 
 
 @pytest.mark.parametrize("device, tree", [("cpu", "paper-b2"), ("cuda", "dynamic"), ("cuda:1", "dynamic")])

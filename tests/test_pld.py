@@ -89,7 +89,7 @@ def test_config_label_and_overrides():
     cfg = config("method=pld", "method.max_ngram_size=4", "method.num_pred_tokens=5")
     assert cfg.method.label == "pld-n1-4-k5"
     drafter = build_drafter(cfg.method, vocab_size=VOCAB, device="cpu")
-    assert drafter.lengths == [5] and list(drafter.index.sizes) == [4, 3, 2, 1]
+    assert [len(t) for t in drafter.plan.trees] == [5] and list(drafter.index.sizes) == [4, 3, 2, 1]
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma3"])  # gemma3: sliding window 8, crossed by every context here

@@ -12,7 +12,7 @@ TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
 def step_for(drafter: TokenRecycling, tokens: list[int], logits: torch.Tensor, accepted: list[int]) -> Step:
-    shape = drafter.trees[0][0]
+    shape = drafter.shape()
     return Step(position=0, shape=shape, tokens=torch.tensor(tokens), logits=logits, predictions=logits.argmax(-1),
                 accepted=torch.tensor(accepted), path_ranks=[shape.sibling_ranks[i] for i in accepted[1:]], emitted=[],
                 hidden_states=None)
@@ -35,7 +35,7 @@ def test_bfs_fill_follows_the_matrix():
     draft = d.propose([1, 2, 5])
     # BFS order of TREE: [0] [1] [0,0] [0,1] [1,0] [0,0,0]
     assert draft.tokens.tolist() == [6, 7, 8, 9, 10, 12]
-    assert draft.shape is d.trees[0][0]
+    assert draft.shape is d.shape()
 
 
 def test_update_overwrites_rows_and_accepted_positions_win_ties():

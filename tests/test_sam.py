@@ -131,7 +131,7 @@ def test_below_the_threshold_the_aux_drafts_and_counts_are_kept():
     drafter = SamDecoding(VOCAB, threshold=3, aux_tree="paper-b3")
     drafter.reset(torch.tensor([1, 2, 3, 4, 1, 2]), None)
     draft = drafter.propose([1, 2, 3, 4, 1, 2])  # the match [1 2] is too short
-    assert draft.shape is drafter.aux.trees[0][0]
+    assert draft.shape is drafter.aux.shape()
     draft = drafter.propose([1, 2, 3, 4, 1, 2, 3])
     assert draft.tokens.tolist()[:2] == [4, 1] and draft.shape.is_chain
     assert drafter.sources == {"aux": 1, "retrieval": 1}
@@ -303,7 +303,7 @@ def test_config_label_and_overrides():
     assert cfg.method.label == "sam-merge-t2-c10-f0.0-recycling-paper-b4"
     drafter = build_drafter(cfg.method, vocab_size=VOCAB, device="cpu")
     assert drafter.threshold == 2 and drafter.mode == "merge" and drafter.aux.k == 4
-    assert drafter.aux.trees[0][0].n_nodes == 16
+    assert drafter.aux.shape().n_nodes == 16
     alone = build_drafter(config("method=sam", "method.aux=none").method, vocab_size=VOCAB, device="cpu")
     assert alone.aux is None and alone.mode == "merge"  # nothing to merge with: the chain alone, as switch
     ids = [2, 3, 4, 5, 6, 7, 2, 3, 4, 5]
@@ -380,7 +380,7 @@ def test_the_policy_search_finds_the_best_option_per_class_by_brute_force():
         per_token = rng.choice([0.05, 0.2, 0.6])
         cost = lambda q: 1 + per_token * (q - 1) + (0.3 if q == 4 else 0)  # a size slower than its neighbours
         aux_nodes = rng.choice([0, 2])
-        got = best_policy(counts, cost, aux_nodes, max_chain=3)
+        got = best_policy(counts, cost, aux_nodes, max_chain=3, confidence=0.0)  # the search alone: by point estimates
         options = [StepOption(a, c) for a in ((False, True) if aux_nodes else (False,)) for c in range(4)]
         best = 0.0
         for chosen in itertools.product(options, repeat=len(counts)):

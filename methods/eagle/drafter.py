@@ -31,8 +31,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from methods.drafter import Drafter, Step
 from methods.eagle.head import Eagle3Head, EagleHead, HeadError, load_draft_vocab, load_head
-from methods.tree import Draft, from_rank_paths, interned, load_template
-from methods.tree_search import TreePlan, fixed
+from methods.tree import Draft, from_rank_paths, interned
+from methods.tree_search import TreePlan, as_plan
 
 
 class Eagle(Drafter):
@@ -71,17 +71,21 @@ class Eagle(Drafter):
             raise ValueError(f"method.draft_vocab must be true, false or a positive count, got {draft_vocab}")
         self.head_source, self.seed, self.draft_vocab = head, seed, draft_vocab
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
-        self.plan = None if tree == "dynamic" else tree if isinstance(tree, TreePlan) else fixed(
-            load_template(tree) if isinstance(tree, str) else tree)
-        # per context bucket: the template's levels, None where the plan drafts nothing
-        self.static = None if self.plan is None else [self._levels(paths, self.device) if paths else None
-                                                      for paths in self.plan.trees]
+        self.plan = None if tree == "dynamic" else as_plan(tree)
+        self._templates: dict[tuple, tuple] = {}  # per static tree: its levels (methods.eagle._levels), built once
         self.head: EagleHead | Eagle3Head | None = None
         self._target: PreTrainedModel | None = None
         self.cache = DynamicCache()
         self.cached = 0  # context positions in the head's cache
         self.features: list[torch.Tensor] = []  # target features not yet fed to the head
         self._eye = torch.eye(top_k, dtype=torch.bool, device=self.device)  # each expanded node sees itself
+
+    def _template(self, paths: Sequence[Sequence[int]]) -> tuple | None:
+        """A static tree's levels, built once per tree (None: no tree)."""
+        key = tuple(map(tuple, paths))
+        if key not in self._templates:
+            self._templates[key] = self._levels(key, self.device) if key else None
+        return self._templates[key]
 
     @staticmethod
     def _levels(paths: Sequence[Sequence[int]], device: torch.device) -> tuple:
@@ -135,6 +139,8 @@ class Eagle(Drafter):
         self.tokens = [prompt[1:]]  # the tokens after each fed feature, on the device (the first answer token: later)
 
     def observe(self, step: Step) -> None:
+        if self.plan is not None:
+            self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks)
         # the features of the root and the accepted nodes whose next token was emitted (a stop may cut some),
         # and those next tokens, taken on the device: the accepted nodes and the bonus token
         n = len(step.emitted)
@@ -143,8 +149,8 @@ class Eagle(Drafter):
 
     @torch.inference_mode()
     def propose(self, ids: list[int]) -> Draft | None:
-        template = None if self.static is None else self.static[self.plan.index(len(ids))]
-        if self.static is not None and template is None:
+        template = None if self.plan is None else self._template(self.plan.trees[self.plan.index(len(ids))])
+        if self.plan is not None and template is None:
             return None  # the plan drafts nothing at this context length; the head catches up later
         last = self._catch_up(ids)  # the head's prediction of the root's feature
         logp = self._logp(last)  # [N]: the first draft token's, over the draft vocabulary
@@ -250,12 +256,15 @@ class Eagle(Drafter):
         shape = interned(tuple(index.get(parents[c], 0) for c in order))
         return Draft(cand_tokens[torch.tensor(order, device=dev)], shape)
 
+    def finish(self) -> dict:
+        return self.plan.report() if self.plan is not None else {}
+
     def describe(self) -> dict:
         params = list(self.head.parameters()) if self.head is not None else []
         return {"head": str(self.head_source), "head_params": sum(p.numel() for p in params),
                 "head_bytes": sum(p.numel() * p.element_size() for p in params),
                 "draft_vocab": len(self.vocab_rows) if self.head is not None else None,
                 "layers_read": list(self.hidden_layers),
-                "tree": "dynamic" if self.static is None else
-                "static, " + " / ".join(f"{t[0].n_nodes - 1 if t else 0} nodes" for t in self.static),
+                "tree": "dynamic" if self.plan is None else
+                "static, " + " / ".join(f"{len(paths)} nodes" for paths in self.plan.trees),
                 **({"plan": self.plan.describe()} if self.plan is not None and self.plan.sources else {})}

@@ -1,0 +1,185 @@
+"""The cost of a verification step on this machine, with its uncertainty: what plans are chosen with.
+
+A device calibration times a step over ``q`` tokens at a few context lengths, several times each. Planning on the
+medians alone chases noise: a size that happened to measure 10% fast becomes the padding target and decides the
+tree, and the plan then predicts the luck (the winner's curse). So a :class:`CostCurve` keeps, besides the fitted
+times, ``B`` bootstrap replicates of the whole fitted curve (every point's repeats resampled, then fitted the same
+way). Any quantity derived from the curve (a tree's tokens per second, a padding's gain, a speedup) has a
+replicate per curve, and a choice wins only where it wins in most replicates: :func:`beats`.
+
+The fit: per ``q``, the times are smoothed over the context (a least-squares quadratic in the context length, a
+line for three contexts or fewer: a step reads the whole prefix, so its time grows about linearly) and made
+non-decreasing in the context (isotonic regression). Along ``q`` the times stay as measured: a ``q`` that fills
+the matrix kernels' blocks can cost less than a smaller one, and that is real; whether it is real enough to pad
+to is decided against the replicates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Sequence
+
+import numpy as np
+
+PAD_GAIN = 0.05  # a block is padded only to a size at least this much faster (smaller gains are not worth chasing)
+CONFIDENCE = 0.95  # a choice beats another where it wins in this share of the replicates
+REPLICATES = 200
+
+
+def smoother(xs: Sequence[float]) -> np.ndarray:
+    """The hat matrix of the least-squares polynomial in ``xs`` (quadratic from four points on, linear from two,
+    the identity for one): ``smoother(xs) @ ys`` are the fitted values."""
+    n = len(xs)
+    degree = 2 if n >= 4 else min(1, n - 1)
+    if not degree:
+        return np.eye(n)
+    x = np.asarray(xs, dtype=float) / max(xs)  # keeps the fit well conditioned
+    design = np.vander(x, degree + 1)
+    return design @ np.linalg.pinv(design)
+
+
+def isotonic(values: np.ndarray) -> np.ndarray:
+    """The least-squares non-decreasing fit along the last axis (pool adjacent violators), for every row."""
+    values = np.asarray(values, dtype=float)
+    out = np.empty_like(values)
+    for index in np.ndindex(values.shape[:-1]):
+        blocks: list[list[float]] = []  # [mean, count]
+        for v in values[index]:
+            blocks.append([float(v), 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+                blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+        out[index] = [m for m, n in blocks for _ in range(int(n))]
+    return out
+
+
+def interp(x: float, xs: Sequence[float], ys: np.ndarray) -> np.ndarray:
+    """``ys[..., i]`` at ``xs[i]``, interpolated at ``x`` along the last axis: piecewise linear, linearly
+    extrapolated from the last two points past either end."""
+    if len(xs) == 1:
+        return ys[..., 0] * (x / xs[0] if xs[0] else 1.0)
+    j = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    w = (x - xs[j]) / (xs[j + 1] - xs[j])
+    return ys[..., j] * (1 - w) + ys[..., j + 1] * w
+
+
+@dataclass(frozen=True, eq=False)
+class CostCurve:
+    """Step times (ms) by context length and block size: fitted, and ``B`` bootstrap replicates of the fit."""
+
+    contexts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    fitted: np.ndarray  # [contexts, sizes]
+    replicates: np.ndarray  # [B, contexts, sizes]
+
+    @classmethod
+    def from_samples(cls, contexts: Sequence[int], sizes: Sequence[int], samples: Sequence[Sequence[Sequence[float]]],
+                     replicates: int = REPLICATES, seed: int = 0) -> CostCurve:
+        """From every point's repeated times (``samples[context][size]``, ms; at least one each)."""
+        rng = np.random.default_rng(seed)
+        medians = np.array([[np.median(point) for point in row] for row in samples])  # [C, S]
+        boot = np.empty((replicates, *medians.shape))
+        for c, row in enumerate(samples):
+            for s, point in enumerate(row):
+                point = np.asarray(point, dtype=float)
+                boot[:, c, s] = np.median(point[rng.integers(0, len(point), (replicates, len(point)))], axis=1)
+        return cls(tuple(contexts), tuple(sizes), cls._fit(contexts, medians), cls._fit(contexts, boot))
+
+    @staticmethod
+    def _fit(contexts: Sequence[int], medians: np.ndarray) -> np.ndarray:
+        """Smoothed over the context per size, then non-decreasing in the context (axis -2)."""
+        smoothed = np.einsum("ij,...jk->...ik", smoother(contexts), medians)
+        return np.swapaxes(isotonic(np.swapaxes(smoothed, -1, -2)), -1, -2)
+
+    def _at(self, table: np.ndarray, q: float, context: float) -> np.ndarray:
+        per_context = interp(q, self.sizes, table)  # [..., C]
+        return np.maximum(interp(context, self.contexts, per_context), 1e-3) / 1000
+
+    def seconds(self, q: float, context: float) -> float:
+        """The fitted time of a step over ``q`` tokens at a context length (s): piecewise linear in both."""
+        return float(self._at(self.fitted, q, context))
+
+    def replicate_seconds(self, q: float, context: float) -> np.ndarray:
+        """The same from every bootstrap replicate ([B] s)."""
+        return self._at(self.replicates, q, context)
+
+    def interval(self, q: float, context: float, level: float = 0.9) -> tuple[float, float]:
+        """The central ``level`` interval of a step's time (s) over the replicates."""
+        reps = self.replicate_seconds(q, context)
+        return tuple(float(v) for v in np.quantile(reps, [(1 - level) / 2, (1 + level) / 2]))
+
+    @cached_property
+    def precision(self) -> np.ndarray:
+        """Per measured point, half the 90% interval relative to the fitted time ([contexts, sizes])."""
+        low, high = np.quantile(self.replicates, [0.05, 0.95], axis=0)
+        return (high - low) / 2 / self.fitted
+
+    def pad_table(self, context: float, confidence: float = CONFIDENCE) -> tuple[int, ...]:
+        """At a context: ``table[q]``, the measured size >= q to feed ``q`` tokens as. A larger size is chosen when
+        its fitted time is at least ``PAD_GAIN`` below q's *and* it is faster in ``confidence`` of the replicates
+        (one lucky point is not enough; 0 trusts the medians alone); the fastest such size, the smaller on a tie. A
+        single token is never padded."""
+        table = [0, 1]
+        own = {s: (self.seconds(s, context), self.replicate_seconds(s, context)) for s in self.sizes}
+        for q in range(2, max(self.sizes) + 1):
+            mine, mine_b = self.seconds(q, context), self.replicate_seconds(q, context)
+            faster = [(t, s) for s, (t, b) in own.items()
+                      if s > q and t <= mine * (1 - PAD_GAIN) and beats(mine_b, b, confidence)]
+            table.append(min(faster)[1] if faster else q)
+        return tuple(table)
+
+    def at(self, context: float, pad: Sequence[int] | None = None,
+           scale: Callable[[int], float] | None = None) -> ContextCost:
+        """The step cost at one context length, with blocks fed as ``pad`` says (None: as they are), scaled per
+        fed size by ``scale`` (a run's own correction)."""
+        return ContextCost(self, context, tuple(pad) if pad is not None else None, scale)
+
+    def describe(self) -> dict:
+        """The precision of the calibration in a few numbers (for its summary line and the report)."""
+        p = self.precision
+        return {"median_half_interval": round(float(np.median(p)), 4), "widest_half_interval": round(float(p.max()), 4),
+                "widest_at": {"context": self.contexts[int(np.argmax(p.max(axis=1)))],
+                              "q": self.sizes[int(np.argmax(p.max(axis=0)))]}}
+
+
+@dataclass(frozen=True, eq=False)
+class ContextCost:
+    """A step's cost at one context length (what one plan bucket is chosen with), optionally scaled per fed size
+    (``scale``: the run's own correction, :mod:`methods.online`)."""
+
+    curve: CostCurve
+    context: float
+    pad: tuple[int, ...] | None = None
+    scale: Callable[[int], float] | None = None
+
+    def fed(self, q: int) -> int:
+        return self.pad[q] if self.pad is not None and q < len(self.pad) else q
+
+    def seconds(self, q: int) -> float:
+        fed = self.fed(q)
+        return self.curve.seconds(fed, self.context) * (self.scale(fed) if self.scale else 1.0)
+
+    def replicates(self, q: int) -> np.ndarray:
+        fed = self.fed(q)
+        return self.curve.replicate_seconds(fed, self.context) * (self.scale(fed) if self.scale else 1.0)
+
+    def __call__(self, q: int) -> float:
+        return self.seconds(q)
+
+
+def beats(slow: np.ndarray, fast: np.ndarray, confidence: float = CONFIDENCE) -> bool:
+    """Whether ``fast`` is below ``slow`` in at least ``confidence`` of the paired replicates."""
+    return bool(np.mean(np.asarray(fast) < np.asarray(slow)) >= confidence)
+
+
+def exact(seconds: Callable[[int], float]) -> Callable[[int], np.ndarray]:
+    """Replicates for a cost known exactly (a model in a test, a synthetic curve): the value itself."""
+    return lambda q: np.array([seconds(q)])
+
+
+def bounds(contexts: Sequence[int]) -> tuple[int, ...]:
+    """Context buckets around calibrated contexts: each ends halfway (geometrically) to the next."""
+    return tuple(math.isqrt(a * b) for a, b in zip(contexts, contexts[1:]))

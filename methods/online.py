@@ -1,0 +1,280 @@
+"""Correction while a run goes: ``=auto`` plans re-chosen from the run's own steps.
+
+A plan is chosen before the run from a device calibration and acceptance statistics collected on other
+questions. Both can be off for this run: the machine runs slower or faster than when it was calibrated, a drafter
+has its own per-step cost, and another workload accepts other nodes. The engine hands every step's wall time, the
+size it fed and the accepted path to the drafter, which passes them here:
+
+* **cost**: log(measured / calibrated) step time as a line in the fed size, fitted with a prior of a few steps
+  at 0 (:class:`CostCorrection`): a factor on the calibrated cost of every size, those never fed included;
+* **acceptance**: per depth, the accepted nodes of the verified trees against what the statistics predicted for
+  them, shrunk towards the factor of the depth above (towards 1 at depth 1) by a prior of ``prior_steps`` steps:
+  a factor on every candidate node's share at that depth (deeper than observed: the deepest observed factor);
+* a few steps in many verify half the chosen tree (:attr:`AdaptiveTreePlan.probing`), so that the cost is seen at
+  two sizes;
+* every ``every`` steps the plan is made anew from the corrected inputs (so with their uncertainty: the cheapest tree
+  the fastest does not clearly beat); where its tree for the current context differs, it is taken if it is the
+  cheaper one, or if it beats the current one under the corrected inputs by more than ``hysteresis``.
+
+Only the tree changes, never the acceptance rule, so the output stays the baseline's. Every change is recorded
+(step, context, trees, the corrections behind it) and reported with the turn (``Drafter.finish``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from typing import Callable, Sequence
+
+from methods.costs import ContextCost
+from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, TreePlan, plan,
+                                 policy_plan)
+
+CostAt = Callable[[int, Callable[[int], float] | None], ContextCost]  # (context, scale per fed size) -> the cost there
+
+
+class CostCorrection:
+    """Measured over calibrated step time as a function of the fed size ``q``: ``log(measured / calibrated) = a +
+    b x + r_q`` with ``x = (q - 1) / 16``. ``a + b x`` is a ridge fit whose prior (0, 0) weighs as ``prior_steps``
+    steps: a machine that runs slower overall moves ``a``, blocks that cost more than calibrated (or a drafter's own
+    per-step cost, which weighs more on cheap steps) move ``b``, and sizes the run never fed are predicted from
+    those it did. ``r_q``, a size's mean residual shrunk by the same prior, catches one size that the calibration
+    got wrong (a lucky point)."""
+
+    def __init__(self, prior_steps: float = 8.0):
+        self.prior = prior_steps
+        self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
+        self.by_size: dict[int, list[float]] = defaultdict(list)  # per fed size: its log ratios
+
+    @staticmethod
+    def _x(fed: int) -> float:
+        return (fed - 1) / 16
+
+    def observe(self, fed: int, predicted: float, measured: float) -> None:
+        if predicted > 0 and measured > 0:
+            x, y = self._x(fed), math.log(measured / predicted)
+            self.n, self.sx, self.sxx, self.sy, self.sxy = (self.n + 1, self.sx + x, self.sxx + x * x, self.sy + y,
+                                                            self.sxy + x * y)
+            self.by_size[fed].append(y)
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b) of the ridge fit."""
+        a11, a12, a22 = self.n + self.prior, self.sx, self.sxx + self.prior
+        det = a11 * a22 - a12 * a12
+        return (a22 * self.sy - a12 * self.sxy) / det, (a11 * self.sxy - a12 * self.sy) / det
+
+    def factor(self, fed: int) -> float:
+        """The factor on a size's calibrated time."""
+        a, b = self.coefficients()
+        line = a + b * self._x(fed)
+        own = self.by_size.get(fed, [])
+        return math.exp(line + sum(y - line for y in own) / (len(own) + self.prior))
+
+    def describe(self) -> dict:
+        return {"by_fed_size": {str(q): round(self.factor(q), 4) for q in sorted(self.by_size)},
+                "steps_by_fed_size": {str(q): len(ys) for q, ys in sorted(self.by_size.items())}}
+
+
+class AdaptiveTreePlan:
+    """A :class:`TreePlan` (what drafters read: :meth:`index`, :attr:`trees`, :attr:`version`) made offline and
+    re-made from the run's own steps (:meth:`observe`)."""
+
+    def __init__(self, stats: NodeStats, cost_at: CostAt, contexts: Sequence[int], sources: dict | None = None,
+                 draft: Callable[[int], DraftCost] | None = None, every: int = 16, prior_steps: float = 32.0,
+                 hysteresis: float = 0.02, probe: tuple[int, int] = (4, 64)):
+        self.stats, self.cost_at, self.contexts, self.draft = stats, cost_at, tuple(contexts), draft
+        self.every, self.prior, self.hysteresis, self.probe = every, prior_steps, hysteresis, probe
+        self.initial = self.plan = plan(stats, lambda c: cost_at(c, None), contexts, sources=sources, draft=draft)
+        self.sources = self.initial.sources
+        self.cost = CostCorrection()
+        self.accepted: dict[int, float] = defaultdict(float)  # per depth: accepted nodes of the verified trees
+        self.predicted: dict[int, float] = defaultdict(float)  # per depth: what the statistics predicted for them
+        self.verified: dict[int, int] = defaultdict(int)  # per depth: steps whose tree reached it
+        self.steps = self.drafting = 0
+        self.version = 0
+        self.changes: list[dict] = []
+        self._reported = 0
+
+    # what a drafter reads, as of a TreePlan
+    def index(self, context: int) -> int:
+        return self.plan.index(context)
+
+    @property
+    def probing(self) -> bool:
+        """``probe[0]`` steps of every ``probe[1]`` verify another tree than the chosen one: half of it, or where it
+        is smaller than two nodes the two most accepted nodes. Steps of one size alone cannot tell a machine that
+        runs slower overall from blocks that cost more than calibrated, and a plan that drafts nothing would never
+        see the acceptance that could make it draft again."""
+        return self.steps >= self.probe[1] and self.steps % self.probe[1] < self.probe[0]
+
+    @property
+    def trees(self) -> list[tuple[RankPath, ...]]:
+        trees = self.plan.trees
+        if not self.probing:
+            return trees
+        small = tuple(sorted((p for p, _ in self.stats.ranked()[:2]), key=lambda p: (len(p), p)))
+        return [tree[: len(tree) // 2] if len(tree) >= 2 else small for tree in trees]
+
+    def describe(self) -> dict:
+        return self.initial.describe()
+
+    def observe(self, context: int, fed: int, seconds: float, ranks: Sequence[int]) -> None:
+        """One step at ``context`` (prompt + output before it) that fed ``fed`` tokens, took ``seconds`` and
+        accepted the draft nodes of sibling ranks ``ranks`` (by depth) from the tree the plan gave there."""
+        tree = self.trees[self.plan.index(context)]
+        self.cost.observe(fed, self.cost_at(context, None).curve.seconds(fed, context), seconds)
+        self.steps += 1
+        if tree:
+            self.drafting += 1
+            for path in tree:
+                self.predicted[len(path)] += self.stats.probs.get(path, 0.0)
+            for depth in range(1, max(map(len, tree)) + 1):
+                self.verified[depth] += 1
+            for depth in range(1, len(ranks) + 1):
+                self.accepted[depth] += 1
+        if self.steps % self.every == 0:
+            self._replan(context)
+
+    def corrected(self) -> NodeStats:
+        """The statistics with the run's acceptance factors per depth (capped by the parent, at most 1)."""
+        factors = self.depth_factors()
+        deepest = max(factors, default=0)
+        probs: dict[RankPath, float] = {}
+        for path in sorted(self.stats.probs, key=len):
+            p = self.stats.probs[path] * factors.get(min(len(path), deepest), 1.0)
+            probs[path] = min(p, probs.get(path[:-1], 1.0))
+        rate = (self.drafting + self.prior * self.stats.draft_rate) / (self.steps + self.prior) \
+            if self.stats.draft_rate < 1 else 1.0
+        return NodeStats(probs, rate, self.stats.steps + self.drafting)
+
+    def depth_factors(self) -> dict[int, float]:
+        """Per observed depth: (accepted + prior x centre) / (predicted + prior), the prior being ``prior_steps``
+        steps' worth of the prediction at that depth, its centre the factor of the depth above (1 at depth 1): a
+        depth seen for a few steps only keeps close to the depth above rather than to the statistics."""
+        factors, centre = {}, 1.0
+        for depth in sorted(self.predicted):
+            predicted = self.predicted[depth]
+            if predicted > 0:
+                prior = self.prior * predicted / self.verified[depth]
+                centre = factors[depth] = (self.accepted[depth] + prior * centre) / (predicted + prior)
+        return factors
+
+    def _speed(self, stats: NodeStats, tree: Sequence[RankPath], cost: ContextCost, context: int) -> float:
+        """Expected tokens per second of ``tree`` under ``stats`` and ``cost``."""
+        if not tree:
+            return 1 / cost.seconds(1)
+        depth = max(map(len, tree))
+        inner = len({p[:-1] for p in tree if len(p) > 1})
+        drafting = self.draft(context).seconds(depth, inner) if self.draft else 0.0
+        tokens = 1 + stats.draft_rate * sum(stats.probs.get(p, 0.0) for p in tree)
+        seconds = stats.draft_rate * (cost.seconds(len(tree) + 1) + drafting) + (1 - stats.draft_rate) * cost.seconds(1)
+        return tokens / seconds
+
+    def _replan(self, context: int) -> None:
+        stats = self.corrected()
+        cost_at = lambda c: self.cost_at(c, self.cost.factor)  # noqa: E731 -- the corrected cost, per context
+        new = plan(stats, cost_at, self.contexts, sources=self.sources, draft=self.draft)
+        old_tree, new_tree = self.plan.trees[self.plan.index(context)], new.trees[new.index(context)]
+        if new_tree == old_tree:
+            return
+        cost = cost_at(context)
+        gain = self._speed(stats, new_tree, cost, context) / self._speed(stats, old_tree, cost, context) - 1
+        if cost.seconds(len(new_tree) + 1) >= cost.seconds(len(old_tree) + 1) and gain <= self.hysteresis:
+            return  # a dearer tree must win by more than the hysteresis; a cheaper one the planner prefers is taken
+        self.plan = new
+        self.version += 1
+        self.changes.append({"step": self.steps, "context": context, "from_nodes": len(old_tree),
+                             "to_nodes": len(new_tree), "to": [list(p) for p in new_tree],
+                             "predicted_gain": round(gain, 4),
+                             "acceptance_by_depth": {str(d): round(f, 4) for d, f in sorted(self.depth_factors().items())},
+                             "cost": self.cost.describe()})
+
+    def report(self) -> dict:
+        """The plan changes since the last report (one turn's), for the turn's record."""
+        changes, self._reported = self.changes[self._reported:], len(self.changes)
+        return {"plan_changes": changes, "plan_version": self.version}
+
+
+class AdaptivePolicyPlan:
+    """A :class:`PolicyPlan` (what SAM reads: :meth:`option`, :attr:`max_chain`) re-made from the run's own scored
+    steps, which SAM scores exactly (how deep its chain and its fallback would have been accepted), and costs."""
+
+    def __init__(self, counts: ClassCounts, cost_at: CostAt, contexts: Sequence[int], aux_nodes: Callable[[int], int],
+                 max_chain: int, sources: dict | None = None, every: int = 16, prior_steps: float = 64.0,
+                 hysteresis: float = 0.02):
+        self.counts = {k: dict(t) for k, t in counts.items()}
+        total = sum(sum(t.values()) for t in self.counts.values())
+        self.weight = min(1.0, prior_steps / total) if total else 1.0  # the offline counts as ``prior_steps`` steps
+        self.cost_at, self.contexts, self.aux_nodes, self.chain_limit = cost_at, tuple(contexts), aux_nodes, max_chain
+        self.every, self.hysteresis = every, hysteresis
+        self.initial = self.plan = policy_plan(counts, lambda c: cost_at(c, None), contexts, aux_nodes, max_chain,
+                                               sources)
+        self.sources = self.initial.sources
+        self.cost = CostCorrection()
+        self.run: dict[int, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
+        self.steps, self.version, self.changes, self._reported = 0, 0, [], 0
+        self.scores = max_chain  # SAM scores its chain up to this length at every step, for observe_scored
+
+    def option(self, context: int, klass: int):
+        return self.plan.option(context, klass)
+
+    @property
+    def max_chain(self) -> int:
+        """The longest chain the current plan verifies (SAM retrieves at least the scored length anyway)."""
+        return self.plan.max_chain
+
+    def describe(self) -> dict:
+        return self.initial.describe()
+
+    def observe_cost(self, context: int, fed: int, seconds: float) -> None:
+        self.cost.observe(fed, self.cost_at(context, None).curve.seconds(fed, context), seconds)
+        self.steps += 1
+
+    def observe_scored(self, klass: int, chain: int, aux: int, context: int) -> None:
+        """One step scored once its continuation was known (SAM's ``score``)."""
+        self.run[klass][chain, aux] += 1
+        if sum(map(len, self.run.values())) and self.steps and self.steps % self.every == 0:
+            self._replan(context)
+
+    def _replan(self, context: int) -> None:
+        counts: dict[int, dict[tuple[int, int], float]] = defaultdict(lambda: defaultdict(float))
+        for source, weight in ((self.counts, self.weight), (self.run, 1.0)):
+            for klass, table in source.items():
+                for cell, n in table.items():
+                    counts[klass][cell] += weight * n
+        cost_at = lambda c: self.cost_at(c, self.cost.factor)  # noqa: E731
+        new = policy_plan(counts, cost_at, self.contexts, self.aux_nodes, self.chain_limit, self.sources)
+        old_choice = self.plan.choices[_bucket(self.plan, context)]
+        new_choice = new.choices[_bucket(new, context)]
+        if new_choice.options == old_choice.options:
+            return
+        gain = new_choice.tokens_per_s / _policy_speed(old_choice.options, counts, cost_at(context),
+                                                       self.aux_nodes(context)) - 1
+        if gain <= self.hysteresis:
+            return
+        self.plan = new
+        self.version += 1
+        self.changes.append({"step": self.steps, "context": context, "to": new_choice.describe()["by_class"],
+                             "predicted_gain": round(gain, 4), "cost": self.cost.describe()})
+
+    def report(self) -> dict:
+        changes, self._reported = self.changes[self._reported:], len(self.changes)
+        return {"plan_changes": changes, "plan_version": self.version}
+
+
+def _bucket(plan: PolicyPlan | TreePlan, context: int) -> int:
+    return bisect.bisect_right(plan.bounds, context)
+
+
+def _policy_speed(options: Sequence, counts: ClassCounts, cost: ContextCost, aux_nodes: int) -> float:
+    """Expected tokens per second of a per-class policy under ``counts`` and ``cost``."""
+    tokens = seconds = total = 0.0
+    for klass, table in counts.items():
+        option = options[min(klass, len(options) - 1)]
+        size = 1 + option.chain + (aux_nodes if option.aux else 0)
+        for (c, a), n in table.items():
+            tokens += n * (1 + max(min(c, option.chain), a if option.aux else 0))
+            seconds += n * cost.seconds(size)
+            total += n
+    return tokens / seconds if seconds else 1 / cost.seconds(1)
