@@ -139,7 +139,10 @@ calibrate: $(STAMP) $(if $(findstring spec_bench ,$(CALIB_DATA) ),data)
 
 bench: $(STAMP) $(if $(or $(EXPERIMENT),$(filter spec_bench,$(DATA))),data) $(if $(and $(AUTO_METHODS),$(if $(EXPERIMENT),,1)),calibrate)
 ifdef EXPERIMENT
-	$(PY) -m evaluation.run -m +experiment=$(EXPERIMENT) run.dir=$(RUN_DIR)/$(EXPERIMENT) $(ARGS)
+# A job that failed does not stop the sweep, nor the table of those that completed; make still fails after it,
+# and evaluation.status says which jobs are not done and the command that finishes them.
+	$(PY) -m evaluation.run -m +experiment=$(EXPERIMENT) run.dir=$(RUN_DIR)/$(EXPERIMENT) $(ARGS) || \
+		{ sweep=$$?; $(PY) -m evaluation.speedup $(RUN_DIR)/$(EXPERIMENT); $(PY) -m evaluation.status $(RUN_DIR)/$(EXPERIMENT); exit $$sweep; }
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(EXPERIMENT)
 	$(PY) -m evaluation.report $(RUN_DIR)/$(EXPERIMENT)
 else ifeq ($(SCHEDULE),interleaved)

@@ -32,6 +32,9 @@ its baseline count):
   several runs of a label: mean +/- sample std over runs; several baseline runs: the baseline
       value is the mean over its runs; N = questions compared (fewest over runs), Err = failed
       questions (summed over runs)
+  a partial run (fewer records than its header's question_ids: stopped, or still running) is
+      compared on the questions it answered, with its baseline on the same questions, and marked
+      "‡" with its count; the jobs that are partial, failed or missing are named under the table
 baseline: by default the run(s) of method "baseline" with the same model, dtype, device, device name
 (GPU or CPU model), torch threads, torch and transformers versions, data, max_new_tokens and question
 ids. A run without such a baseline is refused, naming the keys that differ from the nearest one;
@@ -98,6 +101,16 @@ class Run:
     @property
     def ok_ids(self) -> pd.Index:
         return self.frame.index[self.frame["error"].isna()]
+
+    @property
+    def partial(self) -> str:
+        """"<label> run<i> (n of N questions)" where the run recorded fewer questions than its header's
+        question_ids (stopped, or still running), else ""."""
+        expected = set((self.meta or {}).get("question_ids") or ())
+        recorded = len(expected.intersection(self.frame.index))
+        if recorded == len(expected):
+            return ""
+        return f"{self.label} run{self.index} ({recorded} of {len(expected)} questions)"
 
     @property
     def platform(self) -> str | None:
@@ -286,8 +299,11 @@ def find_result_files(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def load_runs(paths: Sequence[str | Path], categories: dict[int, str] | None = None) -> list[Run]:
-    """Every result file under ``paths``."""
-    return [load_run(path, categories) for path in find_result_files(paths)]
+    """Every result file under ``paths``, but those that hold no record yet beside their run header (a run
+    stopped before its first answer: ``evaluation.status`` and the speedup table's notes name it)."""
+    files = find_result_files(paths)
+    return [load_run(path, categories) for path in files
+            if path.stat().st_size or not path.with_name(path.stem + ".meta.json").is_file()]
 
 
 def _provenance_value(meta: dict, key: str) -> object:
@@ -467,7 +483,7 @@ def run_stats(comparison: Comparison, ratio: str = "mean") -> list[dict]:
             "decode_tokens_per_s": own["decode_tokens_per_s"],
             "prefill_ms": own["prefill_ms"],
             "provenance": comparison.provenance, "reference": comparison.is_reference, "ratio": ratio,
-            "in_turn": comparison.in_turn,
+            "in_turn": comparison.in_turn, "partial": run.partial,
         })
     return rows
 
@@ -491,12 +507,13 @@ def summarize(comparisons: Sequence[Comparison], ratio: str = "mean") -> pd.Data
         baseline_tokens_per_s=("baseline_tokens_per_s", "mean"),
         provenance=("provenance", lambda p: "; ".join(dict.fromkeys(p))),
         reference=("reference", "all"), ratio=("ratio", "first"), in_turn=("in_turn", "all"),
+        partial=("partial", lambda p: "; ".join(x for x in dict.fromkeys(p) if x)),
     ).reset_index()
     order = {g: i for i, g in enumerate(group_order())}
     table["_order"] = table["group"].map(order)
     table = table.sort_values([*SETUP_KEYS, "reference", "label", "_order"], ascending=[*[True] * 4, False, True, True])
     columns = [*keys, "n_runs", "n_questions", "n_errors", *(c for m in METRICS for c in (m, f"{m}_std")),
-               "baseline_tokens_per_s", "provenance", "reference", "ratio", "in_turn"]
+               "baseline_tokens_per_s", "provenance", "reference", "ratio", "in_turn", "partial"]
     return table[columns].reset_index(drop=True)
 
 

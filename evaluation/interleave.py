@@ -15,6 +15,7 @@ so the analysis reads them alike, and rerunning the same command resumes every m
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -25,11 +26,10 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from evaluation import data as datasets
-from evaluation import models
+from evaluation import signals
 from evaluation.results import ResultLocked
-from evaluation.run import Job
-from evaluation.store import StoreError
-from methods.drafter import DrafterUnfit
+from evaluation.run import Job, fail, record_failure
+from evaluation.signals import Stopped
 
 
 class MethodsError(ValueError):
@@ -62,14 +62,18 @@ def method_configs(methods: list[str], shared: list[str]) -> list[DictConfig]:
     return configs
 
 
-def interleave(configs: list[DictConfig]) -> list[Path]:
-    """Answer every question with every config's method in turn; return the result files' paths."""
+def interleave(configs: list[DictConfig], command: Sequence[str] = ()) -> list[Path]:
+    """Answer every question with every config's method in turn; return the result files' paths.
+
+    SIGTERM or SIGUSR2 stops it cleanly (``evaluation.signals``): the question in flight is abandoned by the
+    method answering it, every file is closed whole, and rerunning resumes every method at that question.
+    """
     questions = datasets.load(configs[0].data)  # the same data for every method: only method.* differ
-    with ExitStack() as stack:
+    with signals.stop_on_signals(), ExitStack() as stack:
         jobs: list[Job] = []
         for cfg in configs:  # every method is set up (files checked, locked, warmed up) before the first question
             job = Job(cfg, questions, loaded=jobs[0].loaded if jobs else None,
-                      interleaved_with=tuple(c.method.label for c in configs if c is not cfg))
+                      interleaved_with=tuple(c.method.label for c in configs if c is not cfg), command=command)
             stack.callback(job.close)
             jobs.append(job)
         pending = [{q["question_id"] for q in job.todo} for job in jobs]
@@ -83,12 +87,20 @@ def interleave(configs: list[DictConfig]) -> list[Path]:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="interleave")
 def main(cfg: DictConfig) -> None:
-    shared = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").split("=")[0] != "methods"]
+    overrides = list(HydraConfig.get().overrides.task)
+    shared = [o for o in overrides if o.lstrip("+~").split("=")[0] != "methods"]
     try:
-        interleave(method_configs(list(cfg.methods), shared))
-    except (MethodsError, models.ModelUnavailable, ResultLocked, StoreError, DrafterUnfit,
-            FileNotFoundError) as err:  # the message says what to do
+        configs = method_configs(list(cfg.methods), shared)
+    except MethodsError as err:  # refused before anything runs
         sys.exit(f"draftbench: error: {err}")
+    command = ["python", "-m", "evaluation.interleave", *overrides]
+    try:
+        interleave(configs, command)
+    except Stopped:  # the message is printed
+        sys.exit(signals.EXIT_STOPPED)
+    except Exception as err:  # noqa: BLE001 -- every method's job failed with it: each gets a marker
+        markers = [] if isinstance(err, ResultLocked) else [record_failure(c, err, command) for c in configs]
+        fail(err, [m for m in markers if m], cfg.run.dir)
 
 
 if __name__ == "__main__":

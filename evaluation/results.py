@@ -15,6 +15,7 @@ import os
 import platform
 import subprocess
 import time
+import traceback
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,9 @@ def environment(device: torch.device) -> dict:
     }
 
 
-# Header keys that may differ between the start of a run and its resumption.
-RESUME_FREE = ("started", "resumed", "run_config")
+# Header keys that may differ between the start of a run and its resumption (``command``: how it was started,
+# kept from the first start; a requeued or rerun job may spell the same job differently).
+RESUME_FREE = ("started", "resumed", "run_config", "command")
 
 
 class ResumeRefused(RuntimeError):
@@ -72,6 +74,21 @@ class ResultLocked(RuntimeError):
 
 def meta_path(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".jsonl") + ".meta.json")
+
+
+def failure_path(path: Path) -> Path:
+    """The failure marker of the job whose result file is ``path``: ``<name>.failed.json`` beside it."""
+    return path.with_name(path.name.removesuffix(".jsonl") + ".failed.json")
+
+
+def write_failure(path: Path, err: BaseException, job: dict) -> Path:
+    """Record that the job of result file ``path`` failed as a whole (``job``: what identifies and reruns it)."""
+    lines = traceback.format_exception(err)
+    marker = {"error": {"type": type(err).__name__, "message": str(err), "traceback": "".join(lines[-12:])},
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **job}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(failure_path(path), marker)
+    return failure_path(path)
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:

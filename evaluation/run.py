@@ -7,6 +7,11 @@ Every method goes through the same :class:`methods.engine.Engine` loop; each que
 turn by turn (turn 2 sees turn 1's answer, as in Spec-Bench) and written as one durable record. A
 question that fails (a prompt over the context length, out of memory) becomes an error record and
 the run goes on. Rerunning the same command resumes where it stopped.
+
+SIGTERM or SLURM's warning signal (USR2) stops a run cleanly (evaluation.signals): the question in flight is
+abandoned, the file closed whole, and it exits with status 75 (or submitit requeues it). A job that fails as a
+whole leaves ``<result>.failed.json`` beside its file and, in a sweep (``-m``), the other jobs still run;
+``python -m evaluation.status RUN_DIR`` says which jobs are done (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -16,17 +21,22 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from evaluation import models, signals
 from evaluation import data as datasets
-from evaluation import models
 from evaluation.build import build
-from evaluation.results import ResultFile, ResultLocked, environment
+from evaluation.results import ResultFile, ResultLocked, environment, failure_path, write_failure
+from evaluation.signals import Stopped
 from evaluation.store import StoreError
 from methods.drafter import Drafter, DrafterUnfit
 from methods.engine import Engine
@@ -73,13 +83,14 @@ class Job:
     """
 
     def __init__(self, cfg: DictConfig, questions: list[dict], loaded: models.LoadedModel | None = None,
-                 interleaved_with: tuple[str, ...] = ()):
+                 interleaved_with: tuple[str, ...] = (), command: Sequence[str] = ()):
         if cfg.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
+        self.n_questions = len(questions)
         built = build(cfg, questions, loaded)
         self.loaded, self.engine, self.drafter = built.loaded, built.engine, built.drafter
         device, dtype_name, padding_facts = built.device, built.dtype_name, built.padding
@@ -107,6 +118,8 @@ class Job:
         }
         if interleaved_with:  # a resumption must keep the schedule: a sequential run would not compare alike
             header["interleaved_with"] = list(interleaved_with)
+        if command:  # what evaluation.status prints to resume it
+            header["command"] = list(command)
         self.path = result_path(cfg, dtype_name, device)
         self.results = ResultFile(self.path, header, resume=cfg.run.resume)  # holds the file's lock until closed
         try:
@@ -114,6 +127,7 @@ class Job:
         except BaseException:
             self.results.close()
             raise
+        failure_path(self.path).unlink(missing_ok=True)  # an earlier failure of this job no longer describes it
 
     def _start(self, questions: list[dict], dtype_name: str, device: torch.device) -> None:
         cfg, drafter = self.cfg, self.drafter
@@ -143,17 +157,23 @@ class Job:
         record = {"question_id": question["question_id"], "category": question["category"],
                   "answer_id": uuid.uuid4().hex, "model_id": cfg.model.name}
         try:
-            record |= answer(question, self.engine, drafter, self.loaded, cfg.model.template, cfg.max_new_tokens)
-        except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
-            record["error"] = {"type": type(err).__name__, "message": str(err)}
-            tqdm.write(f"draftbench: {cfg.method.label}: question {question['question_id']} failed: "
-                       f"{type(err).__name__}: {err}", file=sys.stderr)
-        record["tstamp"] = time.time()
-        self.results.append(record)
-        if drafter.state_dict():
-            tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-            torch.save(drafter.state_dict(), tmp)
-            os.replace(tmp, self.state_path)
+            try:
+                record |= answer(question, self.engine, drafter, self.loaded, cfg.model.template, cfg.max_new_tokens)
+            except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
+                record["error"] = {"type": type(err).__name__, "message": str(err)}
+                tqdm.write(f"draftbench: {cfg.method.label}: question {question['question_id']} failed: "
+                           f"{type(err).__name__}: {err}", file=sys.stderr)
+            record["tstamp"] = time.time()
+            with signals.critical():  # the record and the state it leaves are written together, or neither
+                self.results.append(record)
+                if drafter.state_dict():
+                    tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+                    torch.save(drafter.state_dict(), tmp)
+                    os.replace(tmp, self.state_path)
+        except Stopped as stop:  # abandoned before its record: the drafter's in-memory state is not saved either
+            written = bool(self.results.records) and self.results.records[-1] is record
+            stop.locate(self.path, question["question_id"], written, len(self.results.records), self.n_questions)
+            raise
         return record
 
     def close(self) -> None:
@@ -168,21 +188,49 @@ def result_path(cfg: DictConfig, dtype_name: str, device: torch.device) -> Path:
     return out_dir / cfg.model.name / cfg.data.name / f"{cfg.method.label}-{dtype_name}-{device.type}-run{cfg.run.id}.jsonl"
 
 
-def run(cfg: DictConfig) -> Path:
-    """Run ``cfg`` and return the path of its result file."""
-    questions = datasets.load(cfg.data)  # before the model: a bad question file fails in a second
-    job = Job(cfg, questions)
+def planned_path(cfg: DictConfig) -> Path:
+    """``result_path`` without taking a device (``cuda:free`` would lock a GPU): where a job that fails before
+    opening its file puts its failure marker."""
+    device = str(cfg.device)
+    kind = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device.split(":")[0])
     try:
-        tokens = seconds = 0.0
-        bar = tqdm(job.todo, desc=cfg.method.label, unit="q", disable=not cfg.run.progress, file=sys.stderr)
-        for question in bar:
-            record = job.answer(question)
-            if "choices" in record:
-                tokens += sum(record["choices"][0]["new_tokens"])
-                seconds += sum(record["choices"][0]["wall_time"])
-                bar.set_postfix_str(f"{tokens / seconds:.1f} tok/s")
-    finally:
-        job.close()
+        dtype_name = str(models.resolve_dtype(cfg.dtype, kind, cfg.model)).removeprefix("torch.")
+    except Exception:  # noqa: BLE001 -- a dtype this machine cannot check is named as written
+        dtype_name = str(cfg.dtype)
+    return result_path(cfg, dtype_name, kind)
+
+
+def record_failure(cfg: DictConfig, err: BaseException, command: Sequence[str]) -> Path | None:
+    """Write the failure marker of ``cfg``'s job beside its result file; None where the config cannot name it."""
+    try:
+        path = planned_path(cfg)
+        job = {"model": cfg.model.name, "data": cfg.data.name, "label": cfg.method.label, "run": cfg.run.id,
+               "command": list(command)}
+    except Exception:  # noqa: BLE001 -- the config itself is broken: the error says so without a marker
+        return None
+    return write_failure(path, err, job)
+
+
+def run(cfg: DictConfig, command: Sequence[str] = ()) -> Path:
+    """Run ``cfg`` and return the path of its result file (``command``: how it was started, for its header).
+
+    SIGTERM or SIGUSR2 stops it cleanly (``evaluation.signals``): the question in flight is abandoned, the file
+    closed, and :class:`~evaluation.signals.Stopped` raised; running it again resumes.
+    """
+    questions = datasets.load(cfg.data)  # before the model: a bad question file fails in a second
+    with signals.stop_on_signals():
+        job = Job(cfg, questions, command=command)
+        try:
+            tokens = seconds = 0.0
+            bar = tqdm(job.todo, desc=cfg.method.label, unit="q", disable=not cfg.run.progress, file=sys.stderr)
+            for question in bar:
+                record = job.answer(question)
+                if "choices" in record:
+                    tokens += sum(record["choices"][0]["new_tokens"])
+                    seconds += sum(record["choices"][0]["wall_time"])
+                    bar.set_postfix_str(f"{tokens / seconds:.1f} tok/s")
+        finally:
+            job.close()
     return job.path
 
 
@@ -197,13 +245,34 @@ def _summary(records: list[dict], path: Path) -> None:
           f"({tokens / max(seconds, 1e-9):.1f} tok/s), MAT {mat:.2f} -> {path}", file=sys.stderr)
 
 
+# Errors whose message says what to do: a single run prints it alone, without a traceback.
+CLEAR_ERRORS = (models.ModelUnavailable, ResultLocked, StoreError, DrafterUnfit, FileNotFoundError)
+
+
+def fail(err: Exception, markers: Sequence[Path], run_dir: str) -> NoReturn:
+    """End a job that failed as a whole. In a sweep (``-m``) the error is raised on, so that Hydra records the
+    job as failed and the launcher runs the other jobs (the sweep exits non-zero at its end); a single run
+    exits with the message."""
+    where = f" (failure recorded in {', '.join(map(str, markers))})" if markers else ""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        print(f"draftbench: error: {type(err).__name__}: {err}{where}; the sweep's other jobs go on "
+              f"(python -m evaluation.status {run_dir} lists them all)", file=sys.stderr, flush=True)
+        raise err
+    if isinstance(err, CLEAR_ERRORS):
+        sys.exit(f"draftbench: error: {err}{where}")
+    raise err
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    command = ["python", "-m", "evaluation.run", *HydraConfig.get().overrides.task]
     try:
-        run(cfg)
-    except (models.ModelUnavailable, ResultLocked, StoreError, DrafterUnfit,
-            FileNotFoundError) as err:  # the message says what to do
-        sys.exit(f"draftbench: error: {err}")
+        run(cfg, command)
+    except Stopped:  # the message is printed; a launcher's requeue has run
+        sys.exit(signals.EXIT_STOPPED)
+    except Exception as err:  # noqa: BLE001 -- marked, then raised on (see fail)
+        marker = None if isinstance(err, ResultLocked) else record_failure(cfg, err, command)  # another job's file
+        fail(err, [marker] if marker else [], cfg.run.dir)
 
 
 if __name__ == "__main__":

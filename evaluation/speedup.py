@@ -17,7 +17,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from evaluation import steps
+from evaluation import status, steps
 from evaluation.analysis import (CHECKED, DEFINITIONS, RATIOS, SETUP_KEYS, ResultError, add_input_arguments,
                                  comparisons_from_args, default_out_dir, setup_name, summarize)
 from methods.paths import resolve_path
@@ -33,6 +33,8 @@ DESCRIPTION = ("Speedup, MAT and tokens/s per Spec-Bench category group and meth
                "writes it as speedup.md, speedup.csv and speedup.tex (in the results folder, or --out DIR).")
 # A speedup whose std over repeated runs exceeds its distance from 1.0 cannot be told from no speedup.
 NOISY = "†"
+# A row with a run that recorded fewer questions than its header names (stopped, or still running).
+PARTIAL = "‡"
 NOISY_COLUMNS = ("speedup", "decode_speedup")
 RATIO_TEXT = {
     "mean": "speedup = mean per-question tokens/s over the baseline's (Spec-Bench)",
@@ -53,13 +55,15 @@ def noisy(row: pd.Series, column: str) -> bool:
 
 def display_rows(table: pd.DataFrame) -> list[list[str]]:
     """The table's cells as text, ``mean ± std`` where several runs exist; "*" marks unchecked provenance,
-    NOISY a speedup within its spread of 1.0."""
+    NOISY a speedup within its spread of 1.0, PARTIAL a row with a partial run."""
     rows = []
     for _, row in table.iterrows():
         cells = []
         for _, column, decimals in COLUMNS:
             if decimals is None:
-                cell = str(row[column]) + ("*" if column == "label" and row["provenance"] != CHECKED else "")
+                cell = str(row[column])
+                if column == "label":
+                    cell += ("*" if row["provenance"] != CHECKED else "") + (PARTIAL if row["partial"] else "")
             else:
                 cell = number(row[column], decimals)
                 std = row.get(f"{column}_std")
@@ -92,7 +96,7 @@ def render_latex(headers: Sequence[str], rows: list[list[str]]) -> str:
     """A booktabs tabular."""
     def line(cells: Sequence[str]) -> str:
         escaped = (re.sub(r"[\\&%$#_{}~^]", lambda m: _LATEX[m.group()], c).replace("±", r"$\pm$")
-                   .replace(NOISY, r"$^\dagger$") for c in cells)
+                   .replace(NOISY, r"$^\dagger$").replace(PARTIAL, r"$^\ddagger$") for c in cells)
         return " & ".join(escaped) + r" \\"
 
     spec = "".join("l" if decimals is None else "r" for _, _, decimals in COLUMNS)
@@ -136,6 +140,10 @@ def _notes(part: pd.DataFrame) -> list[str]:
         notes.append(f"timed apart from the baseline (one run after another, so a drift in the machine's speed enters "
                      f"the speedup; evaluation.interleave times them in turn): {', '.join(apart)}")
     notes += [f"* {label}: provenance {provenance}" for label, provenance in unchecked(part)]
+    partial = "; ".join(dict.fromkeys(p for p in part["partial"] if p))
+    if partial:
+        notes.append(f"{PARTIAL} partial, compared on the questions it answered only (its baseline on the same ones), "
+                     f"never as a whole run: {partial}")
     if noisy_rows(part):
         notes.append(f"{NOISY} the std over runs is larger than the distance from 1.0: this speedup cannot be told "
                      "from no speedup; run more repeats (run.id=0,1,2,...)")
@@ -226,15 +234,18 @@ def format_steps(accepted: pd.DataFrame, cost: pd.DataFrame, style: str = "text"
 
 
 def write_outputs(table: pd.DataFrame, out_dir: Path, accepted: pd.DataFrame | None = None,
-                  cost: pd.DataFrame | None = None, drafted: pd.DataFrame | None = None) -> list[Path]:
-    """speedup.md, speedup.csv and speedup.tex under ``out_dir`` (+ acceptance.csv, cost_model.csv, sources.csv)."""
+                  cost: pd.DataFrame | None = None, drafted: pd.DataFrame | None = None,
+                  pending: Sequence[str] = ()) -> list[Path]:
+    """speedup.md, speedup.csv and speedup.tex under ``out_dir`` (+ acceptance.csv, cost_model.csv, sources.csv);
+    ``pending``: the lines naming the jobs not done, under the Markdown table."""
     out_dir.mkdir(parents=True, exist_ok=True)
     accepted = pd.DataFrame() if accepted is None else accepted
     cost = pd.DataFrame() if cost is None else cost
     drafted = pd.DataFrame() if drafted is None else drafted
     paths = [out_dir / f"speedup.{ext}" for ext in ("md", "csv", "tex")]
     extra = format_steps(accepted, cost, "md", drafted)
-    paths[0].write_text(format_table(table, "md") + ("\n" + extra if extra else ""), encoding="utf-8")
+    unfinished = "\n".join(["", pending[0], "", *(f"- {line.strip()}" for line in pending[1:]), ""]) if pending else ""
+    paths[0].write_text(format_table(table, "md") + unfinished + ("\n" + extra if extra else ""), encoding="utf-8")
     table.to_csv(paths[1], index=False)
     paths[2].write_text(format_table(table, "tex"), encoding="utf-8")
     for name, frame in (("acceptance", accepted), ("cost_model", cost), ("sources", drafted)):
@@ -270,13 +281,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     accepted = steps.acceptance(comparisons)
     cost = steps.cost_model(comparisons, resolve_path(args.calibration))
     drafted = steps.sources(comparisons)
+    pending = status.not_done([resolve_path(p) for p in args.paths if resolve_path(p).is_dir()])
     if args.json:
         print(json.dumps(records(table), indent=1))
+        for line in pending:
+            print(f"speedup: {line}", file=sys.stderr)
     else:
         print(format_table(table), end="")
+        print("\n".join(["", *pending, ""]) if pending else "", end="")
         extra = format_steps(accepted, cost, drafted=drafted)
         print("\n" + extra if extra else "", end="")
-    paths = write_outputs(table, args.out or default_out_dir(args.paths), accepted, cost, drafted)
+    paths = write_outputs(table, args.out or default_out_dir(args.paths), accepted, cost, drafted, pending)
     print(f"speedup: wrote {', '.join(map(str, paths))}", file=sys.stderr)
     return 0
 

@@ -63,12 +63,19 @@ def test_specbench_vicuna7b_is_spec_bench_protocol():
     assert cfg.method.label == "recycling-paper-k8-hot"  # the published tree and start
 
 
-def test_launcher_configs():
+def test_launcher_configs(tmp_path):
+    from submitit.slurm.slurm import _make_sbatch_string
+
     slurm = hydra_config("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.account=lab",
                          "hydra.launcher.timeout_min=30").hydra.launcher
     assert (slurm.gres, slurm.gpus_per_node, slurm.tasks_per_node, slurm.partition, slurm.account,
             slurm.timeout_min) == ("gpu:1", None, 1, "gpu", "lab", 30)
     assert slurm._target_.endswith("SlurmLauncher")
+    assert slurm.max_num_timeout > 0  # a job that reaches its time limit is requeued (it resumes from its file)
+    sbatch = _make_sbatch_string(command="run", folder=tmp_path, signal_delay_s=slurm.signal_delay_s,
+                                 additional_parameters=dict(slurm.additional_parameters))
+    assert f"#SBATCH --signal=USR2@{slurm.signal_delay_s}" in sbatch  # the warning the job stops cleanly on
+    assert "#SBATCH --requeue" in sbatch  # requeued by SLURM after a preemption (PreemptMode=REQUEUE)
     joblib = hydra_config("hydra/launcher=joblib_gpus", "hydra.launcher.n_jobs=4").hydra.launcher
     assert joblib._target_.endswith("JoblibLauncher") and joblib.n_jobs == 4
     assert hydra_config().hydra.launcher._target_.endswith("BasicLauncher")  # one job after another by default

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
-import pytest
 
 from conftest import VOCAB, tiny_llama
 from methods.costs import CostCurve
@@ -14,7 +12,7 @@ from methods.drafter import Drafter
 from methods.engine import Engine
 from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan
 from methods.recycling import TokenRecycling
-from methods.tree_search import NodeStats, StepOption, best_policy, best_tree, plan
+from methods.tree_search import NodeStats, StepOption, best_policy, best_tree
 
 SIZES = tuple(range(1, 17))
 CONTEXTS = (128, 512)
