@@ -54,7 +54,7 @@ CHECKED = "checked"
 NOT_CHECKED = "not checked (no .meta.json)"
 
 # Per question, summed over turns; NaN where the record is an error or a Spec-Bench file lacks the field.
-COLUMNS = ("category", "group", "error", "n_turns", "tokens", "wall_time", "decode_tokens", "decode_time",
+COLUMNS = ("category", "group", "error", "context_turns", "n_turns", "tokens", "wall_time", "decode_tokens", "decode_time",
            "prefill_time", "forward_time", "accept_sum", "accept_steps", "accept_lengths", "steps", "sources",
            "plan_changes", "output_ids", "turns")
 
@@ -219,6 +219,7 @@ def _question_row(rec: dict, categories: dict[int, str]) -> dict:
         "accept_steps": len(accepts) if accepts else nan,
         "accept_lengths": list(accepts or []),
         "steps": step_records(choice),
+        "context_turns": sum(end == "context" for end in choice.get("end", [])),
         "sources": draft_sources(choice),
         "plan_changes": plan_changes(choice),
         "output_ids": ids,
@@ -475,6 +476,8 @@ def run_stats(comparison: Comparison, ratio: str = "mean") -> list[dict]:
             "label": run.label, "method": run.method, "baseline": comparison.reference.label,
             "run": run.index, "group": group, "n_questions": len(qids),
             "n_errors": int(run.frame.loc[ids, "error"].notna().sum()),
+            "n_context": int(run.frame.loc[qids, "context_turns"].fillna(0).sum()),
+            "too_long": ", ".join(str(q) for q in ids if str(run.frame.at[q, "error"]).startswith("PromptTooLong")),
             "speedup": _div(own["tokens_per_s"], ref["tokens_per_s"]),
             "mat": own["mat"],
             "tokens_per_s": own["tokens_per_s"],
@@ -494,7 +497,9 @@ METRICS = ("speedup", "mat", "tokens_per_s", "decode_speedup", "decode_tokens_pe
 def summarize(comparisons: Sequence[Comparison], ratio: str = "mean") -> pd.DataFrame:
     """The speedup table: one row per setup x platform x label x group, mean and ``<metric>_std`` over runs.
 
-    n_questions is the fewest questions compared in any run, n_errors the errors summed over runs.
+    n_questions is the fewest questions compared in any run, n_errors the errors summed over runs, n_context the
+    turns that ended at the model's context (the most in any run), too_long the questions whose prompt alone
+    filled it.
     """
     per_run = pd.DataFrame([row for c in comparisons for row in run_stats(c, ratio)])
     if per_run.empty:
@@ -503,6 +508,7 @@ def summarize(comparisons: Sequence[Comparison], ratio: str = "mean") -> pd.Data
     grouped = per_run.groupby(keys, sort=False, dropna=False)
     table = grouped.agg(
         n_runs=("run", "nunique"), n_questions=("n_questions", "min"), n_errors=("n_errors", "sum"),
+        n_context=("n_context", "max"), too_long=("too_long", "first"),
         **{m: (m, "mean") for m in METRICS}, **{f"{m}_std": (m, "std") for m in METRICS},
         baseline_tokens_per_s=("baseline_tokens_per_s", "mean"),
         provenance=("provenance", lambda p: "; ".join(dict.fromkeys(p))),
@@ -512,7 +518,8 @@ def summarize(comparisons: Sequence[Comparison], ratio: str = "mean") -> pd.Data
     order = {g: i for i, g in enumerate(group_order())}
     table["_order"] = table["group"].map(order)
     table = table.sort_values([*SETUP_KEYS, "reference", "label", "_order"], ascending=[*[True] * 4, False, True, True])
-    columns = [*keys, "n_runs", "n_questions", "n_errors", *(c for m in METRICS for c in (m, f"{m}_std")),
+    columns = [*keys, "n_runs", "n_questions", "n_errors", "n_context", "too_long",
+               *(c for m in METRICS for c in (m, f"{m}_std")),
                "baseline_tokens_per_s", "provenance", "reference", "ratio", "in_turn", "partial"]
     return table[columns].reset_index(drop=True)
 

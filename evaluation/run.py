@@ -50,7 +50,7 @@ def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.Load
     turns: dict[str, list] = {k: [] for k in
                               ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths", "output_ids",
                                "prompt_tokens", "prefill_time", "decode_time", "forward_time", "accept_paths",
-                               "block_sizes")}
+                               "block_sizes", "end")}
     for turn in question["turns"]:
         messages.append({"role": "user", "content": turn})
         prompt = models.prompt_ids(loaded.tokenizer, template, messages)
@@ -70,6 +70,7 @@ def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.Load
         turns["accept_lengths"].extend(gen.accept_lengths)
         turns["accept_paths"].extend(gen.accept_paths)
         turns["block_sizes"].extend(gen.block_sizes)
+        turns["end"].append(gen.end)  # why the turn ended: stop, budget or context
         if gen.drafter_stats:  # a drafter that reports counters reports them for every turn
             turns.setdefault("drafter_stats", []).append(gen.drafter_stats)
     return {"choices": [{"index": 0, **turns}]}

@@ -18,7 +18,7 @@ from typing import Sequence
 import pandas as pd
 
 from evaluation import status, steps
-from evaluation.analysis import (CHECKED, DEFINITIONS, RATIOS, SETUP_KEYS, ResultError, add_input_arguments,
+from evaluation.analysis import (CHECKED, DEFINITIONS, OVERALL, RATIOS, SETUP_KEYS, ResultError, add_input_arguments,
                                  comparisons_from_args, default_out_dir, setup_name, summarize)
 from methods.paths import resolve_path
 
@@ -144,6 +144,14 @@ def _notes(part: pd.DataFrame) -> list[str]:
     if partial:
         notes.append(f"{PARTIAL} partial, compared on the questions it answered only (its baseline on the same ones), "
                      f"never as a whole run: {partial}")
+    overall = part.loc[part["group"] == OVERALL]
+    ended = [f"{label} {n}" for label, n in zip(overall["label"], overall["n_context"]) if n]
+    if ended:
+        notes.append("turns that ended at the model's context (prompt + answer fill it; the same rule for every method, "
+                     "where Spec-Bench's drafting loops stop at 1,960 tokens): " + ", ".join(ended))
+    too_long = "; ".join(dict.fromkeys(f"{label}: question {q}" for label, q in zip(overall["label"], overall["too_long"]) if q))
+    if too_long:
+        notes.append(f"Err includes prompts that alone fill the model's context (error records): {too_long}")
     if noisy_rows(part):
         notes.append(f"{NOISY} the std over runs is larger than the distance from 1.0: this speedup cannot be told "
                      "from no speedup; run more repeats (run.id=0,1,2,...)")

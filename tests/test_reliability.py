@@ -86,6 +86,26 @@ def test_a_failing_question_is_recorded_and_the_run_goes_on(checkpoint, tmp_path
     assert "choices" not in recs[1]  # no timings for a failed question
 
 
+def test_answers_end_at_the_context_by_the_same_rule_for_every_method(tmp_path):
+    """Spec-Bench's long questions on a 2k-context model, in small: prompts of ~30-60 tokens, 96 positions, 80 new
+    tokens wanted. No question is dropped; a turn ends at the context with that reason recorded, and every method's
+    output equals the baseline's."""
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt", max_positions=96, ends=False)
+    lines = [json.dumps({"question_id": i, "category": "sum", "turns": [" ".join(WORDS[i:] + WORDS[: i] + WORDS[: 3 * i])]})
+             for i in range(4)]
+    data = tmp_path / "q.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    outputs = {}
+    for method in ("baseline", "recycling", "pld"):
+        recs = records(run(config(*tiny_args(checkpoint, data, tmp_path / "out", method=method, tokens=80))))
+        assert [r["question_id"] for r in recs] == [0, 1, 2, 3] and all("choices" in r for r in recs)
+        choices = [r["choices"][0] for r in recs]
+        assert {e for c in choices for e in c["end"]} == {"context"}
+        assert all(p + len(ids) == 96 for c in choices for p, ids in zip(c["prompt_tokens"], c["output_ids"]))
+        outputs[method] = [c["output_ids"] for c in choices]
+    assert outputs["recycling"] == outputs["pld"] == outputs["baseline"]
+
+
 def test_changed_settings_refuse_to_resume_and_leave_the_file_intact(checkpoint, tmp_path):
     data = questions(tmp_path / "q.jsonl", 2)
     path = run(config(*tiny_args(checkpoint, data, tmp_path / "out", method="baseline", tokens=8)))

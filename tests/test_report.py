@@ -98,7 +98,8 @@ def test_the_speedup_table_is_evaluation_speedups(folder, tmp_path, capsys):
         assert f"{analysis.setup_name([row[k] for k in analysis.SETUP_KEYS])} on {row['platform']}" == SECTION
         for (_, column, decimals), cell in zip(speedup.COLUMNS, line):
             if decimals is None:
-                assert cell == str(row[column]), column
+                marks = ("*" if row["provenance"] != analysis.CHECKED else "") + (speedup.PARTIAL if row["partial"] else "")
+                assert cell == str(row[column]) + (marks if column == "label" else ""), column
                 continue
             mean, _, std = cell.removesuffix(speedup.NOISY).partition(" ± ")
             assert mean == shown(row[column], decimals), (row["label"], row["group"], column)
