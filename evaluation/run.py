@@ -140,10 +140,12 @@ class Job:
               f"threads), {len(self.todo)}/{len(questions)} questions of {cfg.data.name} -> {self.path}", file=sys.stderr)
         if drafter.describe():
             print(f"draftbench: drafter {json.dumps(drafter.describe())}", file=sys.stderr)
-        for _ in range(cfg.warmup if self.todo else 0):
-            first = [{"role": "user", "content": questions[0]["turns"][0]}]
-            self.engine.generate(models.prompt_ids(self.loaded.tokenizer, cfg.model.template, first), drafter,
-                                 cfg.max_new_tokens)
+        prompts = (models.prompt_ids(self.loaded.tokenizer, cfg.model.template,
+                                     [{"role": "user", "content": q["turns"][0]}]) for q in questions)
+        limit = self.engine.max_length or float("inf")
+        warm = next((p for p in prompts if len(p) < limit), None)  # the first question whose prompt leaves room
+        for _ in range(cfg.warmup if self.todo and warm else 0):
+            self.engine.generate(warm, drafter, cfg.max_new_tokens)
         if self.results.records and drafter.state_dict():
             if self.state_path.exists():
                 drafter.load_state_dict(torch.load(self.state_path, map_location=device))

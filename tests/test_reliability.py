@@ -86,6 +86,12 @@ def test_a_failing_question_is_recorded_and_the_run_goes_on(checkpoint, tmp_path
     assert "choices" not in recs[1]  # no timings for a failed question
 
 
+def test_a_first_question_too_long_for_the_context_does_not_stop_the_warm_up(checkpoint, tmp_path):
+    data = questions(tmp_path / "q.jsonl", 3, long_one=0)  # the warm-up takes the first question that fits
+    recs = records(run(config(*tiny_args(checkpoint, data, tmp_path / "out", method="recycling"), "warmup=1")))
+    assert recs[0]["error"]["type"] == "PromptTooLong" and "choices" in recs[1] and "choices" in recs[2]
+
+
 def test_answers_end_at_the_context_by_the_same_rule_for_every_method(tmp_path):
     """Spec-Bench's long questions on a 2k-context model, in small: prompts of ~30-60 tokens, 96 positions, 80 new
     tokens wanted. No question is dropped; a turn ends at the context with that reason recorded, and every method's
