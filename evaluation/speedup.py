@@ -193,12 +193,14 @@ COST_COLUMNS = (
     ("Method", "label", None), ("Runs", "n_runs", 0), ("Decode tok/s", "decode_tokens_per_s", 1),
     ("Calibrated tok/s", "calibrated_decode_tokens_per_s", 1), ("MAT", "mat", 2), ("Pred. MAT", "predicted_mat", 2),
     ("Pred. tok/s", "predicted_decode_tokens_per_s", 1), ("Outside fwd %", "outside_forward", PERCENT),
+    ("Plan changes", "plan_changes", 0),
 )
 COST_TEXT = ("cost model, Overall, total decode tokens / decode time: Calibrated tok/s = what the device calibration "
              "predicts for the steps the run made (checks the calibration); Pred. MAT / Pred. tok/s = what a "
              "tree=auto plan predicted from calibration x acceptance statistics (checks the statistics); Outside fwd "
-             "% = decode time outside the model forward (engine + drafter); n/a: no calibration for the run's "
-             "machine, or no plan")
+             "% = decode time outside the model forward (engine + drafter); Plan changes = how often an =auto plan "
+             "corrected itself during the run (autotree.online); n/a: no calibration for the run's machine, or no "
+             "plan")
 
 
 def simple_table(frame: pd.DataFrame, columns: Sequence[tuple], title: str, style: str) -> str:
@@ -237,7 +239,9 @@ def format_steps(accepted: pd.DataFrame, cost: pd.DataFrame, style: str = "text"
                                         (cost, COST_COLUMNS, "Cost model", COST_TEXT),
                                         (drafted, source_columns(drafted), "Draft sources", SOURCES_TEXT)):
         if not frame.empty:
-            parts.append(simple_table(frame, columns, title, style) + text)
+            extra = steps.warnings(frame) if frame is cost else []
+            parts.append(simple_table(frame, columns, title, style) + text +
+                         "".join(f"\n{'- ' if style == 'md' else ''}{w}" for w in extra))
     return "\n\n".join(parts) + ("\n" if parts else "")
 
 

@@ -113,6 +113,7 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
                "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else math.nan,
                "mat": frame["accept_sum"].sum() / frame["accept_steps"].sum(),
                "outside_forward": 1 - frame["forward_time"].sum(min_count=len(frame)) / decode_time,
+               "plan_changes": frame["plan_changes"].sum(min_count=1),
                "calibrated_decode_tokens_per_s": math.nan, "predicted_mat": math.nan,
                "predicted_decode_tokens_per_s": math.nan}
         calibration = calibration_for_run(c.run.meta, calibration_dir)
@@ -130,5 +131,31 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
     keys = [*SETUP_KEYS, "platform", "label", "group", "reference"]
     return table.groupby(keys, sort=False).agg(n_runs=("run", "nunique"), **{
         col: (col, "mean") for col in ("decode_tokens_per_s", "calibrated_decode_tokens_per_s", "mat",
-                                       "predicted_mat", "predicted_decode_tokens_per_s", "outside_forward")
+                                       "predicted_mat", "predicted_decode_tokens_per_s", "outside_forward",
+                                       "plan_changes")
     }).reset_index()
+
+
+OFF = 0.10  # a run this far from its plan's prediction gets a warning
+
+
+def warnings(cost: pd.DataFrame) -> list[str]:
+    """A warning per ``=auto`` method whose measured decode tokens/s is more than ``OFF`` from its plan's
+    prediction, naming which part was off: the calibration (its times replayed on the steps the run made, against
+    the run's own time) or the acceptance (the MAT the plan predicted, against the run's)."""
+    found = []
+    for _, row in cost.iterrows() if not cost.empty else ():
+        predicted, measured = row["predicted_decode_tokens_per_s"], row["decode_tokens_per_s"]
+        if not (predicted > 0 and measured > 0) or abs(measured / predicted - 1) <= OFF:
+            continue
+        calibration = row["calibrated_decode_tokens_per_s"] / measured - 1  # > 0: the steps ran slower than calibrated
+        acceptance = row["mat"] / row["predicted_mat"] - 1  # < 0: fewer tokens per step than predicted
+        parts = {f"the calibration (replayed on the run's steps, it predicted their time {100 * calibration:+.0f}% "
+                 f"off: {'faster' if calibration > 0 else 'slower'} than they ran)": abs(calibration),
+                 f"the acceptance (MAT {row['mat']:.2f} against {row['predicted_mat']:.2f} predicted, "
+                 f"{100 * acceptance:+.0f}%)": abs(acceptance)}
+        named = [text for text, size in sorted(parts.items(), key=lambda kv: -kv[1]) if size > OFF / 2] or list(parts)
+        changes = "" if math.isnan(row["plan_changes"]) else f"; its plan changed {row['plan_changes']:.0f} times as it ran"
+        found.append(f"warning: {row['label']} ran at {measured:.1f} decode tok/s, {100 * (measured / predicted - 1):+.0f}% "
+                     f"from the {predicted:.1f} its plan predicted; off: {' and '.join(named)}{changes}")
+    return found

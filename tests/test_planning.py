@@ -181,3 +181,27 @@ def test_a_plan_that_changes_mid_answer_keeps_the_output_greedy():
     stats = drafter.finish()
     assert online.version >= 1 and "plan_version" in stats
     assert online.trees[0] != first  # it left the tree the pessimistic statistics chose
+
+
+def test_a_run_off_its_prediction_by_more_than_ten_percent_gets_a_warning_naming_the_part():
+    import pandas as pd
+
+    from evaluation import steps
+
+    def row(measured: float, calibrated: float, mat: float, predicted_mat: float, predicted: float) -> dict:
+        return {"label": "recycling-auto", "decode_tokens_per_s": measured, "calibrated_decode_tokens_per_s": calibrated,
+                "mat": mat, "predicted_mat": predicted_mat, "predicted_decode_tokens_per_s": predicted,
+                "plan_changes": 2.0}
+
+    near = pd.DataFrame([row(18.5, 18.0, 1.6, 1.62, 20.0)])  # 7.5% off: no warning
+    assert steps.warnings(near) == []
+    slow = pd.DataFrame([row(17.0, 20.0, 1.6, 1.62, 20.0)])  # 15% off: the steps ran slower than calibrated
+    [warning] = steps.warnings(slow)
+    assert "-15%" in warning and "the calibration (replayed on the run's steps" in warning
+    assert "the acceptance" not in warning
+    assert "changed 2 times" in warning
+    short = pd.DataFrame([row(16.0, 16.5, 1.3, 1.62, 20.0)])  # 20% off: fewer tokens per step than predicted
+    [warning] = steps.warnings(short)
+    assert "the acceptance (MAT 1.30 against 1.62" in warning and "the calibration" not in warning
+    unplanned = pd.DataFrame([row(10.0, 20.0, 1.0, float("nan"), float("nan"))])  # no plan: nothing to compare
+    assert steps.warnings(unplanned) == []
