@@ -23,6 +23,7 @@ true continuation, by match length.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections import Counter
@@ -30,14 +31,16 @@ from pathlib import Path
 from typing import Iterable
 
 import hydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from evaluation import data as datasets
+from evaluation import models
 from evaluation.results import ResumeRefused
 from evaluation.run import run
-from evaluation.store import (AcceptanceError, StoreError, drafter_class, first_verified, method_key, policy_key,
-                              question_hashes, reusable_statistics, statistics_method, statistics_paths, tunable)
-from methods.paths import resolve_path
+from evaluation.store import (AcceptanceError, StoreError, drafter_class, find_calibration, first_verified, method_key,
+                              policy_key, question_hashes, reusable_statistics, statistics_method, statistics_paths,
+                              tunable)
+from methods.paths import PROJECT_ROOT, resolve_path
 
 
 def count(records: Iterable[dict]) -> tuple[Counter, int, int]:
@@ -97,7 +100,9 @@ def collect(cfg: DictConfig) -> Path:
     if done:
         return done
     passes = cfg.autotree.passes if cls.shadow_param else 1
-    path = _collect(cfg, cls, param, candidate, first_verified(cfg.method, param))
+    print(f"acceptance: collecting {cfg.method.name}'s statistics on {cfg.data.name}, {estimate(cfg, passes)}",
+          file=sys.stderr)
+    path = _collect(cfg, cls, param, candidate, first_verified(cfg.method, param, cls.statistics_tree))
     for _ in range(passes - 1):
         path = _collect(cfg, cls, param, candidate, "auto")
     return path
@@ -166,6 +171,8 @@ def collect_policy(cfg: DictConfig) -> Path:
     done = reusable_statistics(cfg, policy=True, expected={"score": cls.candidate_score})
     if done:
         return done
+    print(f"acceptance: collecting {cfg.method.name}'s per-class statistics on {cfg.data.name}, "
+          f"{estimate(cfg, cfg.autotree.passes)}", file=sys.stderr)
     path = _collect_policy(cfg, cls, first_verified(cfg.method, cls.policy_param))
     for _ in range(cfg.autotree.passes - 1):
         path = _collect_policy(cfg, cls, "auto")
@@ -205,14 +212,62 @@ def _collect_policy(cfg: DictConfig, cls: type, verified: object) -> Path:
     return path
 
 
+def heldout(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with its data replaced by ``autotree.heldout`` questions per group that it does not evaluate
+    (:func:`evaluation.data.heldout`: the same categories, from ``data.heldout_from`` where the evaluated set is a
+    file of its own), written to a question file under ``autotree.dir`` so that the statistics run is a plain run;
+    ``autotree.heldout=0``: ``cfg`` as it is (the data given are the statistics' own)."""
+    per_group = cfg.autotree.heldout
+    if not per_group:
+        return cfg
+    source = None
+    if cfg.data.get("heldout_from"):
+        source = OmegaConf.load(PROJECT_ROOT / "conf" / "data" / f"{cfg.data.heldout_from}.yaml")
+        OmegaConf.resolve(source)
+    questions = datasets.heldout(cfg.data, per_group, source)
+    digest = hashlib.sha1(json.dumps(question_hashes(questions)).encode()).hexdigest()[:8]
+    name = f"{cfg.data.name}-heldout{per_group}"
+    path = resolve_path(cfg.autotree.dir) / "heldout" / f"{name}-{digest}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(q, ensure_ascii=False) + "\n" for q in questions))
+    out = cfg.copy()
+    with open_dict(out):
+        out.data = {"name": name, "format": "jsonl", "path": str(path), "ids": None, "categories": None,
+                    "per_category": None, "limit": None}
+    ids = ", ".join(str(q["question_id"]) for q in questions)
+    print(f"acceptance: statistics on {len(questions)} questions not evaluated ({per_group} per group of the evaluated "
+          f"categories, from {source.path if source else cfg.data.path}): {ids}", file=sys.stderr)
+    return out
+
+
+def estimate(cfg: DictConfig, passes: int) -> str:
+    """About how long collecting will take on this machine: every turn's token budget at the single-token step
+    time its calibration predicts at that turn's context (an upper bound where answers end early or drafts pay)."""
+    try:
+        device = models.resolve_device(cfg.device)
+        calibration, _ = find_calibration(cfg, device, models.resolve_dtype(cfg.dtype, device, cfg.model))
+    except StoreError:
+        return "its time unknown (no calibration of this machine)"
+    tokenizer = models.load_tokenizer(cfg.model)
+    seconds, turns = 0.0, 0
+    for q in datasets.load(cfg.data):
+        for i, turn in enumerate(q["turns"]):
+            prompt = len(models.prompt_ids(tokenizer, cfg.model.template, [{"role": "user", "content": turn}]))
+            context = prompt + i * cfg.max_new_tokens  # a later turn's prompt holds the earlier answers
+            seconds += cfg.max_new_tokens * calibration.seconds(1, context + cfg.max_new_tokens // 2)
+            turns += 1
+    return f"about {passes * seconds / 60:.1f} min ({passes} pass{'es' if passes > 1 else ''} over {turns} turns)"
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Statistics for every ``auto`` of the method: its tree's (or its tree owner's), and its policy's."""
     try:
+        cfg = heldout(cfg)
         collect(cfg)
         if drafter_class(cfg.method).policy_param:
             collect_policy(cfg)
-    except StoreError as err:
+    except (StoreError, datasets.DataError) as err:
         sys.exit(f"acceptance: error: {err}")
 
 

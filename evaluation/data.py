@@ -113,9 +113,34 @@ def select(
     return chosen
 
 
+def _source(cfg: Mapping[str, Any]) -> list[dict]:
+    """Every question of a data config's file, unselected."""
+    return humaneval_questions(cfg.get("path")) if cfg.get("format") == "humaneval" else read_questions(cfg["path"])
+
+
+def heldout(cfg: Mapping[str, Any], per_group: int, source: Mapping[str, Any] | None = None) -> list[dict]:
+    """Questions for acceptance statistics that are not evaluated: of the same categories as the questions ``cfg``
+    selects, from ``source`` (another data config; default: the same file), none of them evaluated (by content),
+    the first ``per_group`` of every Spec-Bench group."""
+    evaluated = load(cfg)
+    seen = {json.dumps(q["turns"]) for q in evaluated}
+    categories = {q["category"] for q in evaluated}
+    counts: dict[str, int] = {}
+    chosen = []
+    for q in _source(source or cfg):
+        group = group_of(q["category"])
+        if q["category"] in categories and json.dumps(q["turns"]) not in seen and counts.get(group, 0) < per_group:
+            counts[group] = counts.get(group, 0) + 1
+            chosen.append(q)
+    if not chosen:
+        raise DataError(f"no held-out question: every question of {categories} in {(source or cfg).get('path')} is "
+                        "evaluated; collect statistics on another set (data=..., autotree.heldout=0)")
+    return chosen
+
+
 def load(cfg: Mapping[str, Any]) -> list[dict]:
     """The questions a data config selects."""
-    questions = humaneval_questions(cfg.get("path")) if cfg.get("format") == "humaneval" else read_questions(cfg["path"])
+    questions = _source(cfg)
     return select(
         questions,
         ids=cfg.get("ids"),

@@ -255,11 +255,14 @@ def tunable(method: DictConfig) -> tuple[type, str]:
     return cls, cls.tree_param
 
 
-def first_verified(method: DictConfig, key: str) -> object:
+def first_verified(method: DictConfig, key: str, statistics_tree: object = None) -> object:
     """What the first pass of a collection verifies for ``method.<key>``: its value, or where that is ``auto``
-    (no plan exists yet) the method's own default (``conf/method/<name>.yaml``)."""
+    (no plan exists yet) the drafter's ``statistics_tree`` where it names one, else the method's own default
+    (``conf/method/<name>.yaml``)."""
     value = method[key]
-    return OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{method.name}.yaml")[key] if value == "auto" else value
+    if value != "auto":
+        return value
+    return statistics_tree or OmegaConf.load(PROJECT_ROOT / "conf" / "method" / f"{method.name}.yaml")[key]
 
 
 def statistics_method(method: DictConfig) -> DictConfig:

@@ -61,6 +61,9 @@ class Drafter:
     tree_param: str | None = None
     #: that argument's value while acceptance statistics are collected: a wide candidate tree
     candidate_tree: object = None
+    #: for a drafter scored in a shadow (``shadow_param``): the tree a statistics pass verifies while it scores the
+    #: candidate, where the method's default would be a costly choice for that (None: the method's default)
+    statistics_tree: object = None
     #: the method (``conf/method/<name>.yaml``) whose acceptance statistics choose ``tree_param``, when that tree
     #: is the one of a drafter this one contains (SAM's fallback: recycling); None: this method's own
     tree_owner: str | None = None

@@ -34,6 +34,7 @@ class TokenRecycling(Drafter):
     tree_param = "tree"
     candidate_tree = "wide"
     shadow_param = "shadow"
+    statistics_tree = "paper-b3"  # 7 nodes: a pass costs about a greedy run, not the 80-node tree's 1.6x
 
     def __init__(
         self,

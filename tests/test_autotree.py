@@ -392,12 +392,13 @@ def test_sam_mode_auto_chooses_by_match_length_from_its_own_statistics(tiny, tmp
     method = ["method=sam", "method.mode=auto", "method.threshold=2", f"autotree.dir={tmp_path}"]
     with pytest.raises(AutoTreeError, match=r"method.mode=auto needs policy statistics .*python -m evaluation\.acceptance .*method=sam"):
         run(config(*tiny["common"], f"data.path={tiny['eval']}", *method, f"run.dir={tmp_path / 'never'}"))
-    stats_path = acceptance.collect_policy(config(*tiny["common"], f"data.path={tiny['calib']}", *method))
+    two = "autotree.passes=2"  # the second pass verifies the plan made from the first
+    stats_path = acceptance.collect_policy(config(*tiny["common"], f"data.path={tiny['calib']}", *method, two))
     stats = store.PolicyStats.load(stats_path)
     assert stats_path.name.startswith("policy-hf-float32-sam-") and stats.score == 32
     assert "threshold" not in stats.key["method"] and "mode" not in stats.key["method"]  # what the policy replaces
     mtime = stats_path.stat().st_mtime_ns  # collected again with the same settings and scored chain: reused
-    assert acceptance.collect_policy(config(*tiny["common"], f"data.path={tiny['calib']}", *method)) == stats_path
+    assert acceptance.collect_policy(config(*tiny["common"], f"data.path={tiny['calib']}", *method, two)) == stats_path
     assert stats_path.stat().st_mtime_ns == mtime
     # the second pass verified the plan made from the first, and scored every step
     result = Path(stats.provenance["result_file"])
@@ -476,13 +477,18 @@ def test_statistics_count_the_shadow_tree_when_the_drafter_scored_one():
 
 
 def test_statistics_for_tree_auto_are_collected_as_for_the_default_tree(tiny, tmp_path):
-    """`make calibrate` passes an entry's settings as written: recycling:tree=auto, with no statistics yet."""
+    """`make calibrate` passes an entry's settings as written: recycling:tree=auto, with no statistics yet. The first
+    pass verifies the drafter's statistics tree (Token Recycling's 7-node paper-b3: a pass costs about a greedy run),
+    a second pass, where asked for, the plan made from the first."""
     cal_cfg = CAL
     own = [*tiny["common"], f"autotree.dir={tmp_path}"]
     calibrate.calibrate(config(*own, *cal_cfg, name="calibrate"))
-    stats = json.loads(collect(config(*own, f"data.path={tiny['calib']}", "method=recycling", "method.tree=auto")).read_text())
+    method = ["method=recycling", "method.tree=auto", f"data.path={tiny['calib']}"]
+    stats = json.loads(collect(config(*own, *method)).read_text())
     assert stats["key"]["method"] == store.method_key(config("method=recycling").method)
-    assert list((tmp_path / "runs").rglob("recycling-paper-k8-hot-*.jsonl"))  # the first pass verified the default
+    assert list((tmp_path / "runs").rglob("recycling-paper-b3-k8-hot-*.jsonl"))  # one pass, on the statistics tree
+    assert stats["scored"] == "in the shadow of method.tree=paper-b3"
+    stats = json.loads(collect(config(*own, *method, "autotree.passes=2", "autotree.redo=true")).read_text())
     assert stats["scored"] == "in the shadow of method.tree=auto"  # the second, the plan made from the first
 
 
@@ -495,8 +501,8 @@ def test_make_calibrate_collects_with_each_auto_entrys_settings():
     if not shutil.which("make"):
         pytest.skip("make is not installed")
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(["make", "-s", "-C", str(root), "-o", ".venv/.installed", "calibrate", "PY=echo",
-                          "CALIB_DATA=spec_bench_mini",
+    out = subprocess.run(["make", "-s", "-C", str(root), "-o", ".venv/.installed", "-o", "data", "calibrate",
+                          "PY=echo", "DATA=spec_bench_mini",
                           "METHODS=baseline sam:aux=none,mode=auto recycling:tree=auto,k=4 sam:mode=auto,aux_tree=auto"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     acceptance_runs = sorted(line.split() for line in out if "evaluation.acceptance" in line)
@@ -505,3 +511,5 @@ def test_make_calibrate_collects_with_each_auto_entrys_settings():
         ["model=smollm2-135m", "method=sam", "method.aux=none", "method.mode=auto"],
         ["model=smollm2-135m", "method=sam", "method.mode=auto", "method.aux_tree=auto"]]
     assert not any("=auto" in line for line in out if "evaluation.calibrate" in line)
+    # on questions of the evaluated categories that are not evaluated
+    assert all("data=spec_bench_mini" in run and "autotree.heldout=2" in run for run in acceptance_runs)

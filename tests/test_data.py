@@ -87,3 +87,30 @@ def test_humaneval_is_164_code_questions():
     questions = humaneval_questions()
     assert len(questions) == 164 and {x["category"] for x in questions} == {"code"}
     assert "def " in questions[0]["turns"][0]
+
+
+def test_statistics_questions_are_held_out_of_the_evaluated_set(tmp_path):
+    from evaluation.data import heldout
+
+    path = write(tmp_path, [q(i, category, turns=(f"{category} {i}",)) for i, category in
+                            enumerate(["qa"] * 5 + ["writing", "roleplay"] * 3 + ["translation"] * 2)])
+    cfg = {"path": str(path), "format": "jsonl", "per_category": 2}
+    evaluated = {x["question_id"] for x in select(read_questions(path), per_category=2)}
+    held = heldout(cfg, per_group=2)
+    assert not evaluated & {x["question_id"] for x in held}  # none of them evaluated
+    assert [(x["category"], group_of(x["category"])) for x in held] == [
+        ("qa", "QA"), ("qa", "QA"), ("writing", "MT"), ("roleplay", "MT")]  # 2 per group; Trans has none left
+    with pytest.raises(DataError, match="no held-out question"):
+        heldout({"path": str(path), "format": "jsonl", "categories": ["translation"]}, per_group=2)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="the Spec-Bench question file is not beside the project")
+def test_spec_bench_mini_takes_its_statistics_from_spec_bench():
+    from evaluation.data import heldout
+
+    mini = {"path": str(PROJECT_ROOT / "data" / "spec_bench_mini" / "question.jsonl"), "format": "jsonl"}
+    held = heldout(mini, per_group=2, source={"path": str(SHARED), "format": "jsonl"})
+    mini_questions = read_questions(mini["path"])
+    assert {x["category"] for x in held} <= {x["category"] for x in mini_questions}
+    assert len(held) == 2 * len({group_of(x["category"]) for x in mini_questions})
+    assert not {json.dumps(x["turns"]) for x in held} & {json.dumps(x["turns"]) for x in mini_questions}
