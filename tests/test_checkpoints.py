@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from evaluation import models
-from evaluation.data import PROJECT_ROOT
+from methods.paths import PROJECT_ROOT
 from evaluation.run import run
 from helpers import config
 
