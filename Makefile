@@ -15,6 +15,10 @@
 #                                    the system's packages; PYTHON=/path/to/python picks which Python's
 #   make wheelhouse                  every wheel the project needs but torch, into WHEELHOUSE_DIR (wheelhouse/)
 #   make install WHEELHOUSE=wheelhouse TORCH=   from those wheels only (--no-index), for a node without network
+# The GPU check (docs/gpu.md): make gpu-check [DEVICE=cuda] [GPU_CHECK_DIR=results/gpu-check] [GPU_CHECK_ARGS=...]
+#   lossless on the device, host syncs per step, costs at Vicuna-7B's shape, one run end to end; DEVICE=cpu: on the
+#   CPU with a small model (CI runs it: tests/test_gpu_check.py). On a node without network: make wheelhouse on a
+#   machine with network, then make install WHEELHOUSE=wheelhouse TORCH= on the node, then make gpu-check TORCH=
 
 PYTHON ?= python3
 # PyPI's Linux x86-64 torch is the CUDA build (GBs of CUDA libraries): the extra index offers the CPU build of
@@ -33,6 +37,11 @@ RUN_DIR ?= results
 # the run does not evaluate (spec_bench_mini: from Spec-Bench's file; evaluation.acceptance autotree.heldout).
 HELDOUT ?= 2
 EXPERIMENT ?=
+# make gpu-check: the device it checks, the folder its gpu_check.json and summary.md go to, and more arguments
+# of python -m evaluation.gpu_check (e.g. --budget-s 30).
+DEVICE ?= cuda
+GPU_CHECK_DIR ?= results/gpu-check
+GPU_CHECK_ARGS ?=
 # interleaved: one process answers each question with every method of METHODS in turn (evaluation.interleave), so
 # a drift in this machine's speed during the run hits every method alike; sequential: one run per method, in order.
 SCHEDULE ?= interleaved
@@ -56,7 +65,7 @@ space := $(subst ,, )
 METHOD_LIST = [$(subst $(space),$(comma),$(foreach m,$(METHODS),"$(m)"))]
 $(if $(filter-out interleaved sequential,$(SCHEDULE)),$(error SCHEDULE is interleaved or sequential, not '$(SCHEDULE)'))
 
-.PHONY: bench bench-loop calibrate train-eagle test data install wheelhouse clean-venv
+.PHONY: bench bench-loop calibrate train-eagle test gpu-check data install wheelhouse clean-venv
 
 # Where pip takes packages from: the index, or only the wheels in WHEELHOUSE.
 PIP_SOURCE = $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
@@ -168,6 +177,10 @@ endif
 # Our baseline loop against transformers' model.generate on the same prompts, in one run (a benchmark, not a test).
 bench-loop: $(STAMP)
 	$(PY) -m evaluation.loop_vs_generate model=$(MODEL) data=$(DATA) max_new_tokens=$(TOKENS) $(ARGS)
+
+# Lossless on DEVICE, host syncs per step, costs at Vicuna-7B's shape, one run end to end: docs/gpu.md.
+gpu-check: $(STAMP)
+	$(PY) -m evaluation.gpu_check --device $(DEVICE) --out $(GPU_CHECK_DIR) $(GPU_CHECK_ARGS)
 
 test: $(STAMP) data
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1

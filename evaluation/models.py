@@ -35,7 +35,7 @@ from platformdirs import user_cache_dir
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from evaluation.data import resolve_path
+from methods.paths import resolve_path
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")

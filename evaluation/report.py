@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 from evaluation import equal, plots, speedup, steps
 from evaluation.analysis import (CHECKED, RATIOS, UNKNOWN, Comparison, ResultError, Run, add_input_arguments,
                                  comparisons_from_args, default_out_dir, rates, setup_name, summarize)
-from evaluation.data import resolve_path
+from methods.paths import resolve_path
 
 FILES_DIR = "report_files"  # the PNGs of report.md, beside it
 MAX_LISTED = 5  # mismatches, failed questions, ... listed per run; the rest are counted

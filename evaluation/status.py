@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from evaluation.data import resolve_path
+from methods.paths import resolve_path
 from evaluation.results import read_records
 
 MANIFEST = "sweep.json"

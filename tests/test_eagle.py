@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import DynamicCache
 
-from conftest import VOCAB, tiny_llama, tiny_qwen2, tiny_qwen3
+from conftest import DEVICE, VOCAB, tiny_llama, tiny_qwen2, tiny_qwen3
 from evaluation.build import build_drafter
 from helpers import config
 from methods.drafter import Drafter, Step
@@ -100,6 +100,7 @@ def test_every_node_is_what_the_head_ranks_there_from_scratch(llama, kwargs):
     assert shape.n_nodes == (9 if "top_k" in kwargs else 8)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("model", ["llama", "gemma3"])
 @pytest.mark.parametrize("kwargs", [{"total_tokens": 12, "depth": 4, "top_k": 3}, {"total_tokens": 2, "depth": 1, "top_k": 1},
                                     {"tree": "paper-b3"}, {"tree": "chain6"}],
@@ -107,18 +108,19 @@ def test_every_node_is_what_the_head_ranks_there_from_scratch(llama, kwargs):
 def test_output_equals_greedy_on_random_prompts(model, kwargs, request):
     net = request.getfixturevalue(model)
     rng = random.Random(f"eagle-{model}")
-    drafter = Eagle(VOCAB, head="random", **kwargs)
+    drafter = Eagle(VOCAB, DEVICE, head="random", **kwargs)
     for _ in range(4):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))]
         n = rng.randint(1, 40)
         assert run(net, drafter, prompt, n).output_ids == run(net, Drafter(VOCAB), prompt, n).output_ids, prompt
 
 
+@pytest.mark.device
 def test_a_tree_plan_drafts_each_context_buckets_tree_and_nothing_where_it_has_none(llama):
     paths = load_template("paper-b3")
     plan = TreePlan(choices=(fixed(paths).choices[0], fixed([]).choices[0], fixed([[0], [0, 0]]).choices[0]),
                     bounds=(16, 30))
-    drafter = Eagle(VOCAB, head="random", tree=plan)
+    drafter = Eagle(VOCAB, DEVICE, head="random", tree=plan)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     sizes = []
     original = drafter.propose

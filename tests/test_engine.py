@@ -9,11 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen3
+from conftest import DEVICE, VOCAB, tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen3
 from evaluation import models
 from methods.drafter import Drafter, Step
 from methods.engine import Engine, Padding, PromptTooLong
 from methods.tree import Draft, TreeShape
+
+pytestmark = pytest.mark.device  # every model and draft on conftest.DEVICE
 
 MODELS = {"llama": tiny_llama(), "gemma3": tiny_gemma3(sliding_window=8),  # contexts below cross the window
           "qwen2": tiny_qwen2(), "qwen3": tiny_qwen3()}
@@ -21,7 +23,8 @@ MODELS = {"llama": tiny_llama(), "gemma3": tiny_gemma3(sliding_window=8),  # con
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
     """Reference: transformers' own greedy generate, token by token."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    prompt_ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(prompt_ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
@@ -50,7 +53,8 @@ class RandomTrees(Drafter):
         size = n + 1 + m
         extra_visible = tuple(tuple(sorted(self.rng.sample(range(size), self.rng.randrange(0, size)))) for _ in range(m))
         tokens += [self.rng.randrange(VOCAB) for _ in range(m)]
-        return Draft(torch.tensor(tokens, dtype=torch.long), TreeShape(tuple(parents), extra_depths, extra_visible))
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=DEVICE),
+                     TreeShape(tuple(parents), extra_depths, extra_visible))
 
     def observe(self, step):
         self.steps.append(step)
@@ -76,8 +80,8 @@ class Oracle(Drafter):
                 parents += [prev, prev]
                 tokens += [(t + 1) % VOCAB, t]
                 prev = len(tokens)
-            return Draft(torch.tensor(tokens), TreeShape(tuple(parents)))
-        return Draft(torch.tensor(chain), TreeShape(tuple(range(len(chain)))))
+            return Draft(torch.tensor(tokens, device=DEVICE), TreeShape(tuple(parents)))
+        return Draft(torch.tensor(chain, device=DEVICE), TreeShape(tuple(range(len(chain)))))
 
 
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import VOCAB
+from conftest import DEVICE, VOCAB
 from evaluation.build import build_drafter
 from helpers import config
 from methods.drafter import Drafter
@@ -131,23 +131,25 @@ def test_config_label_and_overrides():
 CONFIGS = [{}, {"shift": "accepted", "seed_prompt": True}, {"N": 3, "W": 2, "G": 2}]
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("model", ["llama", "gemma3"])  # gemma3: sliding window 8, crossed by every context here
 @pytest.mark.parametrize("kwargs", CONFIGS)
 def test_output_equals_greedy_on_random_prompts(model, kwargs, request):
     engine = Engine(request.getfixturevalue(model), set())
     rng = random.Random(f"lookahead-{model}")
-    drafter = Lookahead(VOCAB, **kwargs)  # one drafter for all prompts: reset must forget the last generation
+    drafter = Lookahead(VOCAB, DEVICE, **kwargs)  # one drafter for all prompts: reset must forget the last generation
     for _ in range(3):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))]
         n = rng.randint(1, 40)
         assert engine.generate(prompt, drafter, n).output_ids == engine.generate(prompt, Drafter(VOCAB), n).output_ids
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("kwargs", CONFIGS)
 def test_candidates_are_accepted_on_a_repetitive_prompt(llama, kwargs):
     prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17]  # the tiny llama's greedy answer loops with period 3
     engine = Engine(llama, set())
-    gen = engine.generate(prompt, Lookahead(VOCAB, **kwargs), 96)  # the window needs ~35 steps to find the loop
+    gen = engine.generate(prompt, Lookahead(VOCAB, DEVICE, **kwargs), 96)  # the window needs ~35 steps to find the loop
     assert gen.output_ids == engine.generate(prompt, Drafter(VOCAB), 96).output_ids
     mat = sum(gen.accept_lengths) / len(gen.accept_lengths)
     assert mat > 1.5, f"the pool's n-grams should be accepted on a repeating continuation (MAT {mat:.2f})"

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import VOCAB
+from conftest import DEVICE, VOCAB
 from evaluation.build import build_drafter
 from helpers import config
 from methods.drafter import Drafter
@@ -92,6 +92,7 @@ def test_config_label_and_overrides():
     assert [len(t) for t in drafter.plan.trees] == [5] and list(drafter.index.sizes) == [4, 3, 2, 1]
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("model", ["llama", "gemma3"])  # gemma3: sliding window 8, crossed by every context here
 @pytest.mark.parametrize("kwargs", [{}, {"max_ngram_size": 2, "num_pred_tokens": 4}, {"min_ngram_size": 2}])
 def test_output_equals_greedy_on_random_prompts(model, kwargs, request):
@@ -100,14 +101,15 @@ def test_output_equals_greedy_on_random_prompts(model, kwargs, request):
     for _ in range(4):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))]
         n = rng.randint(1, 48)
-        assert engine.generate(prompt, PromptLookup(VOCAB, **kwargs), n).output_ids == \
+        assert engine.generate(prompt, PromptLookup(VOCAB, DEVICE, **kwargs), n).output_ids == \
             engine.generate(prompt, Drafter(VOCAB), n).output_ids, prompt
 
 
+@pytest.mark.device
 def test_drafts_are_accepted_on_a_repetitive_prompt(llama):
     prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17]
     engine = Engine(llama, set())
-    gen = engine.generate(prompt, PromptLookup(VOCAB), 48)
+    gen = engine.generate(prompt, PromptLookup(VOCAB, DEVICE), 48)
     assert gen.output_ids == engine.generate(prompt, Drafter(VOCAB), 48).output_ids
     mat = sum(gen.accept_lengths) / len(gen.accept_lengths)
     assert mat > 1.5, f"PLD should copy the repeating continuation (MAT {mat:.2f})"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_llama
+from conftest import DEVICE, VOCAB, tiny_llama
 from methods.drafter import Drafter, Step
 from methods.engine import Engine
 from methods.recycling import TokenRecycling
@@ -79,12 +79,13 @@ def run(drafter: Drafter, prompt: list[int], n: int = 40):
     return Engine(tiny_llama(), set()).generate(prompt, drafter, n)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("tree", ["paper", "paper-b4", "chain6"])
 @pytest.mark.parametrize("start", ["hot", "cold"])
 def test_lossless_and_accepting_on_a_tiny_model(tree, start):
     prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17]
     reference = run(Drafter(VOCAB), prompt)
-    drafter = TokenRecycling(VOCAB, tree=tree, start=start)
+    drafter = TokenRecycling(VOCAB, DEVICE, tree=tree, start=start)
     first = run(drafter, prompt)
     second = run(drafter, prompt)
     assert first.output_ids == reference.output_ids == second.output_ids

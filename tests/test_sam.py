@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB
+from conftest import DEVICE, VOCAB
 from evaluation import analysis, speedup, steps
 from evaluation.categories import group_of
 from evaluation.build import build_drafter
@@ -187,12 +187,13 @@ VARIANTS = [
 ]
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("model", ["llama", "gemma3"])  # gemma3: sliding window 8, crossed by every context here
 @pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
 def test_output_equals_greedy_on_random_prompts(model, kwargs, request):
     net = request.getfixturevalue(model)
     rng = random.Random(f"sam-{model}")
-    drafter = SamDecoding(VOCAB, **kwargs)  # one drafter for all prompts: the aux matrix stays hot
+    drafter = SamDecoding(VOCAB, DEVICE, **kwargs)  # one drafter for all prompts: the aux matrix stays hot
     for _ in range(4):
         prompt = [rng.randrange(8) for _ in range(rng.randint(1, 24))]  # a small alphabet: many matches
         n = rng.randint(1, 48)
@@ -200,10 +201,11 @@ def test_output_equals_greedy_on_random_prompts(model, kwargs, request):
     assert drafter.sources["retrieval"] + drafter.sources["merged"] > 0
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("mode", ["switch", "merge"])
 def test_retrieval_is_accepted_and_the_aux_observes_every_step(llama, mode):
     prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17]
-    drafter = SamDecoding(VOCAB, threshold=2, mode=mode)
+    drafter = SamDecoding(VOCAB, DEVICE, threshold=2, mode=mode)
     observed = []
     observe = drafter.aux.observe
 
@@ -225,9 +227,10 @@ def test_retrieval_is_accepted_and_the_aux_observes_every_step(llama, mode):
     assert sum(gen.accept_lengths) / gen.decoding_steps > 1.5
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("mode", ["switch", "merge"])
 def test_a_fallback_without_a_tree_leaves_the_chain_alone(llama, mode):
-    drafter = SamDecoding(VOCAB, threshold=2, mode=mode, aux_tree=[])  # as aux_tree=auto where no tree pays
+    drafter = SamDecoding(VOCAB, DEVICE, threshold=2, mode=mode, aux_tree=[])  # as aux_tree=auto where no tree pays
     prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17]
     gen = run(llama, drafter, prompt, 40)
     assert gen.output_ids == run(llama, Drafter(VOCAB), prompt, 40).output_ids
@@ -338,6 +341,7 @@ def test_the_analysis_reports_the_share_of_steps_by_draft_source(tmp_path, capsy
 
 # mode=auto: the per-class policy, its statistics and its search
 
+@pytest.mark.device
 @pytest.mark.parametrize("kwargs", [
     {"aux": "none", "threshold": 1, "max_chain": 6, "mode": "switch"},
     {"aux": "recycling", "threshold": 1, "max_chain": 6, "mode": "merge"},
@@ -345,14 +349,14 @@ def test_the_analysis_reports_the_share_of_steps_by_draft_source(tmp_path, capsy
 def test_scored_depths_are_what_verifying_the_scored_drafts_accepts(llama, kwargs):
     """With the scored chain and aux tree verified (merged), every step accepts max(chain depth, aux depth)."""
     prompt = [3, 17, 42, 8, 3, 17, 42, 8, 3, 17, 5, 3, 17]
-    drafter = SamDecoding(VOCAB, score=6, **kwargs)
+    drafter = SamDecoding(VOCAB, DEVICE, score=6, **kwargs)
     gen = run(llama, drafter, prompt, 40)
     assert gen.output_ids == run(llama, Drafter(VOCAB), prompt, 40).output_ids
     scored = {tuple(map(int, k.split(":"))): n for k, n in gen.drafter_stats["policy_shadow"].items()}
     assert sum(scored.values()) == gen.decoding_steps
     assert sum(n * max(c, a) for (_, c, a), n in scored.items()) == sum(gen.accept_lengths) - gen.decoding_steps
     assert any(c for _, c, _ in scored) and (kwargs["aux"] == "none") == (not any(a for _, _, a in scored))
-    plain = SamDecoding(VOCAB, **kwargs)  # scoring changes nothing that is verified
+    plain = SamDecoding(VOCAB, DEVICE, **kwargs)  # scoring changes nothing that is verified
     again = run(llama, plain, prompt, 40)
     assert again.accept_lengths == gen.accept_lengths and plain.sources == drafter.sources
 
