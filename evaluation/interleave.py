@@ -27,7 +27,7 @@ from tqdm import tqdm
 from evaluation import data as datasets
 from evaluation import models
 from evaluation.results import ResultLocked
-from evaluation.run import Job
+from evaluation.run import Job, run_label
 from evaluation.store import StoreError
 from methods.drafter import DrafterUnfit
 
@@ -69,7 +69,7 @@ def interleave(configs: list[DictConfig]) -> list[Path]:
         jobs: list[Job] = []
         for cfg in configs:  # every method is set up (files checked, locked, warmed up) before the first question
             job = Job(cfg, questions, loaded=jobs[0].loaded if jobs else None,
-                      interleaved_with=tuple(c.method.label for c in configs if c is not cfg))
+                      interleaved_with=tuple(run_label(c) for c in configs if c is not cfg))
             stack.callback(job.close)
             jobs.append(job)
         pending = [{q["question_id"] for q in job.todo} for job in jobs]
