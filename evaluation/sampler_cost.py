@@ -5,8 +5,8 @@
 On the model's own logits (the last positions of the longest question's prompt, so that every row is a real
 distribution), the median time of :meth:`methods.sampling.Sampling.choose` over a one-token step (the baseline's)
 and over the rows of Token Recycling's 80-node tree (its depths: the noise of 7 positions), for greedy decoding and
-for each sampling rule below; for scale, the engine's whole greedy step over as many tokens after that prompt. A shared machine's
-timings are noisy: compare within one run.
+for each sampling rule below; for scale, the engine's whole greedy step over as many tokens after that prompt.
+A shared machine's timings are noisy: compare within one run.
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ def main(cfg: DictConfig) -> None:
     device = models.resolve_device(cfg.device)
     loaded = models.load(cfg.model, device, models.resolve_dtype(cfg.dtype, device, cfg.model))
     shape, _ = from_rank_paths(load_template(TREE))
-    repeats = REPEATS
-    question = max(datasets.load(cfg.data), key=lambda q: len(q["turns"][0]))
-    prompt = models.prompt_ids(loaded.tokenizer, cfg.model.template, [{"role": "user", "content": question["turns"][0]}])
+    longest = max(datasets.load(cfg.data), key=lambda q: len(q["turns"][0]))["turns"][0]
+    prompt = models.prompt_ids(loaded.tokenizer, cfg.model.template, [{"role": "user", "content": longest}])
     if len(prompt) < shape.size:
         raise ValueError(f"the longest prompt of data={cfg.data.name} has {len(prompt)} tokens, fewer than the "
                          f"tree's {shape.size}: choose another data=")
@@ -67,15 +66,15 @@ def main(cfg: DictConfig) -> None:
             def step(draft: Draft | None = draft) -> None:
                 engine.verify(prompt[-1], context, draft, cache)
                 cache.commit(context)
-            steps[name] = _median_ms(step, device, repeats)
+            steps[name] = _median_ms(step, device, REPEATS)
     depths = torch.tensor(shape.depth_list, device=device)
     span = max(shape.depth_list) + 1
     print(f"{cfg.model.name} {device} {loaded.model.dtype} threads={torch.get_num_threads()} vocab={logits.shape[-1]}, "
           f"context {context}: a greedy step over " + ", ".join(f"{k} {v:.2f} ms" for k, v in steps.items()))
     for rule in RULES:
         with torch.inference_mode():
-            one = _median_ms(lambda: rule.choose(logits[:1], 0, 100), device, repeats)
-            tree = _median_ms(lambda: rule.choose(logits, 0, 100, depths, span), device, repeats)
+            one = _median_ms(lambda: rule.choose(logits[:1], 0, 100), device, REPEATS)
+            tree = _median_ms(lambda: rule.choose(logits, 0, 100, depths, span), device, REPEATS)
         print(f"  {rule.tag() or 'greedy':>10}: 1 token {one:.3f} ms, {shape.size} tokens {tree:.2f} ms")
 
 
