@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from evaluation import models
 from evaluation.build import build
+from evaluation.run import run_label
 from methods.paths import PROJECT_ROOT
 
 _NAME = "draftbench_model"  # the attribute load() leaves on a model: its conf/model/ entry
@@ -90,7 +91,7 @@ class Decoder:
                                          max_new_tokens)
         return Output(text=tokenizer.decode(gen.output_ids, skip_special_tokens=True), ids=gen.output_ids,
                       accept_lengths=gen.accept_lengths, prefill_time=gen.prefill_time, decode_time=gen.decode_time,
-                      method=self.cfg.method.label)
+                      method=run_label(self.cfg))
 
 
 def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]],
