@@ -13,8 +13,9 @@ what a small tree accepts: it verifies ``method.tree`` (``auto``: the plan made 
 statistics, so a second pass converges on the tree it measures) and scores the candidate tree in its
 shadow (:class:`~methods.tree_search.ShadowTree`). Collect
 them on questions you do not evaluate: ``method.tree=auto`` refuses statistics whose questions overlap
-the evaluated ones. The file is keyed by model, dtype and the method's other settings (greedy
-verification is exact, so acceptance is a property of the model and the drafter, not of the hardware).
+the evaluated ones. The file is keyed by model, dtype and the method's other settings (verification is
+exact, so acceptance is a property of the model and the drafter, not of the hardware), and under sampling by
+the sampling settings: acceptance depends on the temperature (``sampling.temperature=1`` collects them for it).
 
 A drafter with a per-step policy (SAM's ``mode=auto``) also gets per-class statistics (``policy-*.json``,
 :func:`collect_policy`): at every step it scores its candidate chain and its auxiliary's draft against the
@@ -37,9 +38,9 @@ from evaluation import data as datasets
 from evaluation import models
 from evaluation.results import ResumeRefused
 from evaluation.run import run
-from evaluation.store import (AcceptanceError, StoreError, drafter_class, find_calibration, first_verified, method_key,
-                              policy_key, question_hashes, reusable_statistics, statistics_method, statistics_paths,
-                              tunable)
+from evaluation.store import (AcceptanceError, StoreError, drafter_class, find_calibration, first_verified, policy_key,
+                              question_hashes, reusable_statistics, sampling_key, statistics_key, statistics_method,
+                              statistics_paths, tunable)
 from methods.paths import PROJECT_ROOT, resolve_path
 
 
@@ -139,9 +140,10 @@ def _collect(cfg: DictConfig, cls: type, param: str, candidate: object, verified
     if not drafting:
         raise AcceptanceError(f"{result}: no step drafted anything; nothing to learn a tree from")
     questions = datasets.load(cfg.data)
-    path = statistics_paths(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name)[0]
+    path = statistics_paths(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name,
+                            sampled=sampling_key(cfg))[0]
     body = {
-        "key": {"model": cfg.model.name, "dtype": meta["dtype"], "method": method_key(cfg.method)},
+        "key": statistics_key(cfg, cfg.method, meta["dtype"]),
         "candidate": {param: candidate},
         "scored": f"in the shadow of method.{param}={run_cfg.method[param]}" if cls.shadow_param else "verified",
         "steps": steps, "drafting_steps": drafting, "draft_rate": drafting / steps,
@@ -194,9 +196,9 @@ def _collect_policy(cfg: DictConfig, cls: type, verified: object) -> Path:
     if not steps:
         raise AcceptanceError(f"{result}: no step was scored; nothing to choose a policy from")
     path = statistics_paths(resolve_path(cfg.autotree.dir), cfg.model.name, meta["dtype"], cfg.method, cfg.data.name,
-                     policy=True)[0]
+                            policy=True, sampled=sampling_key(cfg))[0]
     body = {
-        "key": {"model": cfg.model.name, "dtype": meta["dtype"], "method": policy_key(cfg.method)},
+        "key": statistics_key(cfg, cfg.method, meta["dtype"], policy=True),
         "score": cls.candidate_score, "scored": f"in the shadow of method.{cls.policy_param}={verified}",
         "steps": steps,
         "classes": {str(m): {f"{c}:{a}": n for (c, a), n in sorted(table.items())} for m, table in sorted(counts.items())},

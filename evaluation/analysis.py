@@ -36,8 +36,9 @@ its baseline count):
       compared on the questions it answered, with its baseline on the same questions, and marked
       "‡" with its count; the jobs that are partial, failed or missing are named under the table
 baseline: by default the run(s) of method "baseline" with the same model, dtype, device, device name
-(GPU or CPU model), torch threads, torch and transformers versions, data, max_new_tokens and question
-ids. A run without such a baseline is refused, naming the keys that differ from the nearest one;
+(GPU or CPU model), torch threads, torch and transformers versions, data, max_new_tokens, question
+ids and sampling settings (temperature, top_k, top_p, seed; a header without them decoded greedily).
+A run without such a baseline is refused, naming the keys that differ from the nearest one;
 --force compares with that nearest one. A key that an older run header lacks is unknown: it does not
 refuse the pair, and the row is marked "*" naming it. --baseline PATH names the
 baseline for every run (provenance is still checked). Files without a .meta.json sidecar (e.g.
@@ -46,7 +47,12 @@ Spec-Bench answer files) have unknown provenance: they are compared only with a 
 
 # A speedup is only meaningful against a baseline measured on the same hardware and software.
 PROVENANCE_KEYS = ("model", "dtype", "device", "device_name", "torch_threads", "versions.torch",
-                   "versions.transformers", "data", "max_new_tokens", "question_ids")
+                   "versions.transformers", "data", "max_new_tokens", "question_ids", "config.sampling.temperature",
+                   "config.sampling.top_k", "config.sampling.top_p", "config.sampling.seed")
+# The choice rule's settings (methods.sampling) and the values a header without them decoded with: greedy decoding,
+# under which the others do not matter.
+SAMPLING_DEFAULTS = {"config.sampling.temperature": 0.0, "config.sampling.top_k": 0, "config.sampling.top_p": 1.0,
+                     "config.sampling.seed": 0}
 SETUP_KEYS = ("model", "data", "dtype", "device")
 RATIOS = ("mean", "total")
 UNKNOWN = "?"
@@ -308,7 +314,13 @@ def load_runs(paths: Sequence[str | Path], categories: dict[int, str] | None = N
 
 
 def _provenance_value(meta: dict, key: str) -> object:
-    """The header's value at a dotted key (``versions.torch``); None where the header lacks it."""
+    """The header's value at a dotted key (``versions.torch``); None where the header lacks it (the sampling keys:
+    their greedy values, see SAMPLING_DEFAULTS)."""
+    if key in SAMPLING_DEFAULTS:
+        sampling = (meta.get("config") or {}).get("sampling") or {}
+        if not sampling.get("temperature"):
+            return SAMPLING_DEFAULTS[key]
+        return sampling.get(key.rsplit(".", 1)[1], SAMPLING_DEFAULTS[key])
     value: object = meta
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None

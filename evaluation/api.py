@@ -11,6 +11,10 @@ see ``docs/choosing-trees.md``). The model is any Hugging Face causal LM already
 ``conf/model/*.yaml`` entry for its chat template, stop tokens, shipped EAGLE head and the key of its calibration
 (default: the name :func:`load` gave it, else ``hf``: the tokenizer's own chat template).
 
+Sampling: ``temperature=0.7, top_p=0.9, seed=1`` (and ``top_k``) as the benchmark's ``sampling.*`` keys
+(docs/sampling.md); every method's answer then equals the baseline's for the same prompt and seed. ``seed`` is the
+sampling noise's (a method's own ``seed`` setting, Lookahead's and a random EAGLE head's, keeps its default here).
+
 :func:`generate` builds a fresh drafter per call; a :class:`Decoder` keeps one across calls, so that hot-start
 state (Token Recycling's matrix) carries from one prompt to the next, as in a benchmark run.
 """
@@ -27,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from evaluation import models
 from evaluation.build import build
+from evaluation.run import run_label
 from methods.paths import PROJECT_ROOT
 
 _NAME = "draftbench_model"  # the attribute load() leaves on a model: its conf/model/ entry
@@ -67,10 +72,12 @@ class Decoder:
     """One method on one model, ready to answer prompt after prompt with its hot-start state kept."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, method: str = "baseline",
-                 model_name: str | None = None, **settings: Any):
+                 model_name: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, **settings: Any):
         name = model_name or getattr(model, _NAME, None) or "hf"
         dtype = str(model.dtype).removeprefix("torch.")
-        self.cfg = _config(name, method, str(model.device), dtype, settings)
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        self.cfg = _config(name, method, str(model.device), dtype, settings, sampling)
         eos = models.stop_token_ids(tokenizer, model.generation_config, self.cfg.model.get("stop_tokens") or [])
         loaded = models.LoadedModel(model=model, tokenizer=tokenizer, eos_token_ids=eos, source="in memory")
         self.built = build(self.cfg, [], loaded)
@@ -84,18 +91,23 @@ class Decoder:
                                          max_new_tokens)
         return Output(text=tokenizer.decode(gen.output_ids, skip_special_tokens=True), ids=gen.output_ids,
                       accept_lengths=gen.accept_lengths, prefill_time=gen.prefill_time, decode_time=gen.decode_time,
-                      method=self.cfg.method.label)
+                      method=run_label(self.cfg))
 
 
 def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]],
-             method: str = "baseline", max_new_tokens: int = 128, model_name: str | None = None,
+             method: str = "baseline", max_new_tokens: int = 128, model_name: str | None = None, *,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              **settings: Any) -> Output:
-    """Answer ``prompt`` with ``method`` (a name of ``conf/method/``) and its ``settings``; a fresh drafter."""
-    return Decoder(model, tokenizer, method, model_name, **settings).generate(prompt, max_new_tokens)
+    """Answer ``prompt`` with ``method`` (a name of ``conf/method/``) and its ``settings``; a fresh drafter.
+    ``temperature`` 0 decodes greedily; above 0 it samples (with ``top_k``, ``top_p``), keyed by ``seed``."""
+    return Decoder(model, tokenizer, method, model_name, temperature=temperature, top_k=top_k, top_p=top_p,
+                   seed=seed, **settings).generate(prompt, max_new_tokens)
 
 
-def _config(model: str, method: str, device: str, dtype: str, settings: dict | None = None) -> DictConfig:
-    """The run config the command line would compose for these choices, with ``settings`` set on the method."""
+def _config(model: str, method: str, device: str, dtype: str, settings: dict | None = None,
+            sampling: dict | None = None) -> DictConfig:
+    """The run config the command line would compose for these choices, with ``settings`` set on the method and
+    ``sampling`` on ``sampling``."""
     known = sorted(p.stem for p in (PROJECT_ROOT / "conf" / "method").glob("*.yaml"))
     if method not in known:
         raise ValueError(f"method={method!r} is not one of {', '.join(known)} (conf/method/)")
@@ -114,6 +126,7 @@ def _config(model: str, method: str, device: str, dtype: str, settings: dict | N
                              f"(conf/method/{method}.yaml)")
         with open_dict(cfg):
             cfg.method[key] = value
+    cfg.sampling.update(sampling or {})
     OmegaConf.resolve(cfg)  # the label and device-dependent defaults, with the settings in
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from evaluation import autotree, models
 from methods.drafter import Drafter
 from methods.engine import Engine
+from methods.sampling import Sampling
 
 
 def build_drafter(method: DictConfig, vocab_size: int, device: torch.device | str, **overrides: object) -> Drafter:
@@ -47,6 +48,7 @@ def build(cfg: DictConfig, questions: list[dict], loaded: models.LoadedModel | N
     """Resolve ``cfg``'s device and dtype, its ``=auto`` plans (their files are checked before the model loads, so
     a missing one fails fast), load the model (or reuse ``loaded``) and build the engine and the drafter.
     ``questions``: the ones to be evaluated (statistics collected on any of them are refused)."""
+    rule = Sampling.of(cfg.get("sampling"))  # bad settings fail before the model loads
     device = models.resolve_device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device, cfg.model)
     padding, padding_facts = autotree.padding(cfg, device, dtype)
@@ -56,5 +58,6 @@ def build(cfg: DictConfig, questions: list[dict], loaded: models.LoadedModel | N
     drafter = build_drafter(cfg.method, vocab_size, device, **plans)
     drafter.attach(loaded.model)  # a drafter that does not fit the model (e.g. a draft head) fails here
     time_forward = device.type == "cpu" if cfg.time_forward == "auto" else bool(cfg.time_forward)
-    engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=time_forward, padding=padding)
+    engine = Engine(loaded.model, loaded.eos_token_ids, time_forward=time_forward, padding=padding,
+                    sampling=rule)
     return Built(loaded, engine, drafter, device, dtype, padding_facts)

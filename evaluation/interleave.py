@@ -28,7 +28,7 @@ from tqdm import tqdm
 from evaluation import data as datasets
 from evaluation import signals
 from evaluation.results import ResultLocked
-from evaluation.run import Job, fail, record_failure
+from evaluation.run import Job, fail, record_failure, run_label
 from evaluation.signals import Stopped
 
 
@@ -73,7 +73,7 @@ def interleave(configs: list[DictConfig], command: Sequence[str] = ()) -> list[P
         jobs: list[Job] = []
         for cfg in configs:  # every method is set up (files checked, locked, warmed up) before the first question
             job = Job(cfg, questions, loaded=jobs[0].loaded if jobs else None,
-                      interleaved_with=tuple(c.method.label for c in configs if c is not cfg), command=command)
+                      interleaved_with=tuple(run_label(c) for c in configs if c is not cfg), command=command)
             stack.callback(job.close)
             jobs.append(job)
         pending = [{q["question_id"] for q in job.todo} for job in jobs]

@@ -12,10 +12,17 @@ SIGTERM or SLURM's warning signal (USR2) stops a run cleanly (evaluation.signals
 abandoned, the file closed whole, and it exits with status 75 (or submitit requeues it). A job that fails as a
 whole leaves ``<result>.failed.json`` beside its file and, in a sweep (``-m``), the other jobs still run;
 ``python -m evaluation.status RUN_DIR`` says which jobs are done (docs/reliability.md).
+
+Under sampling (``sampling.temperature > 0``, docs/sampling.md) every turn's noise is keyed by the seed, the
+question id and the turn (:func:`generation_key`), not drawn from a stream: a question's answer is the same
+whichever method, order or resumption produced it. The run's label and result file then name the sampling
+(``recycling-paper-k8-hot-T0.7-p0.9``). Every record's ``model_id`` names the temperature as Spec-Bench's
+answer files do (``smollm2-135m-temp-0.0``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -41,6 +48,20 @@ from evaluation.store import StoreError
 from methods.drafter import Drafter, DrafterUnfit
 from methods.engine import Engine
 from methods.paths import resolve_path
+from methods.sampling import Sampling
+
+
+def generation_key(question_id: object, turn: int) -> int:
+    """The key of a question's turn (with ``sampling.seed``, it keys the noise): a stable hash, the same in every
+    process (Python's ``hash`` of a string is salted per process)."""
+    return int.from_bytes(hashlib.sha256(f"{question_id}/{turn}".encode()).digest()[:8], "little")
+
+
+def run_label(cfg: DictConfig) -> str:
+    """The method's label, with the sampling settings when it samples (``-T0.7-p0.9``): a sampled run is another
+    series than a greedy one of the same method, in its result file's name and in every table."""
+    tag = Sampling.of(cfg.get("sampling")).tag()
+    return f"{cfg.method.label}-{tag}" if tag else str(cfg.method.label)
 
 
 def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.LoadedModel, template: str,
@@ -51,10 +72,10 @@ def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.Load
                               ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths", "output_ids",
                                "prompt_tokens", "prefill_time", "decode_time", "forward_time", "accept_paths",
                                "block_sizes", "end")}
-    for turn in question["turns"]:
+    for i, turn in enumerate(question["turns"]):
         messages.append({"role": "user", "content": turn})
         prompt = models.prompt_ids(loaded.tokenizer, template, messages)
-        gen = engine.generate(prompt, drafter, max_new_tokens)
+        gen = engine.generate(prompt, drafter, max_new_tokens, key=generation_key(question["question_id"], i))
         text = loaded.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
         turns["turns"].append(text)
@@ -102,7 +123,7 @@ class Job:
             "model_id": cfg.model.model_id or cfg.model.get("path") or cfg.model.get("gguf"),
             "model_source": self.loaded.source,
             "method": cfg.method.name,
-            "label": cfg.method.label,
+            "label": run_label(cfg),
             "data": cfg.data.name,
             "dtype": dtype_name,
             "device": device.type,
@@ -136,21 +157,21 @@ class Job:
             print(f"draftbench: {note}", file=sys.stderr)
         self.state_path = self.path.with_name(self.path.name.removesuffix(".jsonl") + ".state.pt")
         self.todo = [q for q in questions if q["question_id"] not in self.results.done]
-        print(f"draftbench: {cfg.method.label} on {cfg.model.name} ({dtype_name}, {device}, {torch.get_num_threads()} "
+        print(f"draftbench: {run_label(cfg)} on {cfg.model.name} ({dtype_name}, {device}, {torch.get_num_threads()} "
               f"threads), {len(self.todo)}/{len(questions)} questions of {cfg.data.name} -> {self.path}", file=sys.stderr)
         if drafter.describe():
             print(f"draftbench: drafter {json.dumps(drafter.describe())}", file=sys.stderr)
-        prompts = (models.prompt_ids(self.loaded.tokenizer, cfg.model.template,
-                                     [{"role": "user", "content": q["turns"][0]}]) for q in questions)
+        firsts = ((q, models.prompt_ids(self.loaded.tokenizer, cfg.model.template,
+                                        [{"role": "user", "content": q["turns"][0]}])) for q in questions)
         limit = self.engine.max_length or float("inf")
-        warm = next((p for p in prompts if len(p) < limit), None)  # the first question whose prompt leaves room
+        warm = next(((q, p) for q, p in firsts if len(p) < limit), None)  # the first question whose prompt fits
         for _ in range(cfg.warmup if self.todo and warm else 0):
-            self.engine.generate(warm, drafter, cfg.max_new_tokens)
+            self.engine.generate(warm[1], drafter, cfg.max_new_tokens, key=generation_key(warm[0]["question_id"], 0))
         if self.results.records and drafter.state_dict():
             if self.state_path.exists():
                 drafter.load_state_dict(torch.load(self.state_path, map_location=device))
             else:
-                print(f"draftbench: warning: {self.state_path.name} is missing, so {cfg.method.label}'s hot-start state "
+                print(f"draftbench: warning: {self.state_path.name} is missing, so {run_label(cfg)}'s hot-start state "
                       "restarts here; the questions after the gap are not comparable with an uninterrupted run",
                       file=sys.stderr)
 
@@ -158,13 +179,14 @@ class Job:
         """Answer ``question``, write its record durably (an error record if it fails) and the hot-start state."""
         cfg, drafter = self.cfg, self.drafter
         record = {"question_id": question["question_id"], "category": question["category"],
-                  "answer_id": uuid.uuid4().hex, "model_id": cfg.model.name}
+                  "answer_id": uuid.uuid4().hex,  # model_id names the temperature, as Spec-Bench's answer files do
+                  "model_id": f"{cfg.model.name}-temp-{float(self.engine.sampling.temperature)}"}
         try:
             try:
                 record |= answer(question, self.engine, drafter, self.loaded, cfg.model.template, cfg.max_new_tokens)
             except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
                 record["error"] = {"type": type(err).__name__, "message": str(err)}
-                tqdm.write(f"draftbench: {cfg.method.label}: question {question['question_id']} failed: "
+                tqdm.write(f"draftbench: {run_label(cfg)}: question {question['question_id']} failed: "
                            f"{type(err).__name__}: {err}", file=sys.stderr)
             record["tstamp"] = time.time()
             with signals.critical():  # the record and the state it leaves are written together, or neither
@@ -186,9 +208,11 @@ class Job:
 
 
 def result_path(cfg: DictConfig, dtype_name: str, device: torch.device) -> Path:
-    """Where ``cfg``'s result file goes: ``<run.dir>/<model>/<data>/<label>-<dtype>-<device>-run<id>.jsonl``."""
+    """Where ``cfg``'s result file goes: ``<run.dir>/<model>/<data>/<label>-<dtype>-<device>-run<id>.jsonl`` (the
+    label with the sampling settings when it samples: :func:`run_label`)."""
     out_dir = resolve_path(cfg.run.dir) if not Path(cfg.run.dir).is_absolute() else Path(cfg.run.dir)
-    return out_dir / cfg.model.name / cfg.data.name / f"{cfg.method.label}-{dtype_name}-{device.type}-run{cfg.run.id}.jsonl"
+    name = f"{run_label(cfg)}-{dtype_name}-{device.type}-run{cfg.run.id}.jsonl"
+    return out_dir / cfg.model.name / cfg.data.name / name
 
 
 def planned_path(cfg: DictConfig) -> Path:
@@ -225,7 +249,7 @@ def run(cfg: DictConfig, command: Sequence[str] = ()) -> Path:
         job = Job(cfg, questions, command=command)
         try:
             tokens = seconds = 0.0
-            bar = tqdm(job.todo, desc=cfg.method.label, unit="q", disable=not cfg.run.progress, file=sys.stderr)
+            bar = tqdm(job.todo, desc=run_label(cfg), unit="q", disable=not cfg.run.progress, file=sys.stderr)
             for question in bar:
                 record = job.answer(question)
                 if "choices" in record:

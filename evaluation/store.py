@@ -9,7 +9,8 @@ Three kinds live in ``autotree.dir`` (default ``results/calibration/``):
   (EAGLE's head), keyed by the machine and the method's settings;
 * **acceptance statistics** (``acceptance-*.json``, :class:`Acceptance`; ``policy-*.json``, :class:`PolicyStats`):
   how often each node of a wide candidate tree (or each option of a per-step policy) is accepted, keyed by model,
-  dtype and the method's settings, collected by ``python -m evaluation.acceptance`` on questions that are not
+  dtype and the method's settings, and where it samples by the sampling settings (:func:`sampling_key`: acceptance
+  depends on the temperature), collected by ``python -m evaluation.acceptance`` on questions that are not
   evaluated.
 
 A file made for another setup is refused with the keys that differ, never used silently; a missing one gets the
@@ -37,6 +38,7 @@ from evaluation import data as datasets
 from evaluation import models
 from methods.costs import ContextCost, CostCurve, bounds, interp
 from methods.engine import Padding
+from methods.sampling import Sampling
 from methods.paths import PROJECT_ROOT, resolve_path
 from methods.tree_search import DraftCost, NodeStats
 
@@ -279,22 +281,37 @@ def statistics_method(method: DictConfig) -> DictConfig:
     return config
 
 
-def method_key(method: DictConfig) -> dict:
-    """The method's settings that acceptance depends on: all but its tree, shadow tree, name and label."""
+def method_key(method: DictConfig, sampled: bool = False) -> dict:
+    """The method's settings that acceptance depends on: all but its tree, shadow tree, name and label, and for
+    greedy decoding (not ``sampled``) the settings that change drafts only under sampling (``sampling_params``)."""
     cls, param = tunable(method)
     plain = OmegaConf.to_container(method, resolve=False)
-    return {k: v for k, v in sorted(plain.items()) if k not in (param, cls.shadow_param, "name", "label")}
+    drop = (param, cls.shadow_param, "name", "label", *(() if sampled else cls.sampling_params))
+    return {k: v for k, v in sorted(plain.items()) if k not in drop}
 
 
-def policy_key(method: DictConfig) -> dict:
+def policy_key(method: DictConfig, sampled: bool = False) -> dict:
     """The settings a drafter's per-class statistics depend on: all but the policy, the scoring and what a
-    policy replaces (SAM's threshold and chain length)."""
+    policy replaces (SAM's threshold and chain length), and as :func:`method_key` the sampling-only ones."""
     cls = drafter_class(method)
     if not cls.policy_param:
         raise AcceptanceError(f"method {method.name!r} has no per-step policy to choose (its drafter {cls.__name__} "
                               "sets no policy_param); method.mode=auto exists for sam")
-    drop = (cls.policy_param, cls.score_param, *cls.policy_replaces, "name", "label")
+    drop = (cls.policy_param, cls.score_param, *cls.policy_replaces, "name", "label",
+            *(() if sampled else cls.sampling_params))
     return {k: v for k, v in sorted(OmegaConf.to_container(method, resolve=False).items()) if k not in drop}
+
+
+def sampling_key(cfg: DictConfig) -> dict:
+    """The sampling settings acceptance depends on (temperature, top_k, top_p: not the seed, which draws other
+    samples of the same distribution); {} for greedy decoding, so that greedy statistics keep their names and keys."""
+    rule = Sampling.of(cfg.get("sampling"))
+    return {} if rule.greedy else {"temperature": rule.temperature, "top_k": rule.top_k, "top_p": rule.top_p}
+
+
+def sampling_overrides(cfg: DictConfig) -> str:
+    """The command-line overrides of a sampling setup ("" for greedy decoding), for the commands this module prints."""
+    return "".join(f" sampling.{k}={v}" for k, v in sampling_key(cfg).items())
 
 
 def question_hashes(questions: Iterable[dict]) -> list[str]:
@@ -303,15 +320,19 @@ def question_hashes(questions: Iterable[dict]) -> list[str]:
 
 
 def statistics_paths(directory: Path, model: str, dtype: str, method: DictConfig, data: str = "*",
-              policy: bool = False) -> list[Path]:
-    """The statistics files of this model, dtype and method (one per question set; ``data="*"``: all of them);
-    ``policy``: its per-class statistics (``policy-*.json``, for ``mode=auto``), else its per-node ones."""
-    digest = hashlib.sha1(json.dumps((policy_key if policy else method_key)(method), sort_keys=True).encode())
+                     policy: bool = False, sampled: dict | None = None) -> list[Path]:
+    """The statistics files of this model, dtype and method (one per question set; ``data="*"``: all of them, at
+    every temperature, so that a refusal can name what differs); ``policy``: its per-class statistics
+    (``policy-*.json``, for ``mode=auto``), else its per-node ones; ``sampled``: the :func:`sampling_key`, in the
+    name of a sampled one (``-T0.7-k0-p0.9``)."""
+    digest = hashlib.sha1(json.dumps((policy_key if policy else method_key)(method, bool(sampled)),
+                                     sort_keys=True).encode())
     kind = "policy" if policy else "acceptance"
     stem = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"{kind}-{model}-{dtype}-{method.name}-{digest.hexdigest()[:8]}")
     if data == "*":
         return sorted(directory.glob(f"{stem}-*.json"))
-    return [directory / f"{stem}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', data)}.json"]
+    tag = "-T{temperature:g}-k{top_k}-p{top_p:g}".format(**sampled) if sampled else ""
+    return [directory / f"{stem}{tag}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', data)}.json"]
 
 
 
@@ -374,7 +395,7 @@ def reusable_statistics(cfg: DictConfig, policy: bool, expected: dict) -> Path |
         return None
     dtype = models.resolve_dtype(cfg.dtype, models.resolve_device(cfg.device), cfg.model)
     path = statistics_paths(resolve_path(cfg.autotree.dir), cfg.model.name, str(dtype).removeprefix("torch."),
-                            cfg.method, cfg.data.name, policy=policy)[0]
+                            cfg.method, cfg.data.name, policy=policy, sampled=sampling_key(cfg))[0]
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -416,17 +437,26 @@ def find_calibration(cfg: DictConfig, device: torch.device, dtype: torch.dtype) 
     return calibration, path
 
 
+def statistics_key(cfg: DictConfig, method: DictConfig, dtype: str, policy: bool = False) -> dict:
+    """What a statistics file is keyed by: model, dtype, the method's settings and, when it samples, the
+    sampling settings (:func:`sampling_key`)."""
+    sampled = sampling_key(cfg)
+    settings = (policy_key if policy else method_key)(method, bool(sampled))
+    key = {"model": cfg.model.name, "dtype": dtype, "method": settings}
+    return {**key, "sampling": sampled} if sampled else key
+
+
 def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: list[dict],
                     policy: bool = False) -> tuple[Acceptance | PolicyStats, Path]:
     """The method's per-node statistics, or with ``policy`` its per-class ones, collected on other questions."""
-    key = {"model": cfg.model.name, "dtype": dtype,
-           "method": (policy_key if policy else method_key)(method)}
+    key = statistics_key(cfg, method, dtype, policy)
     evaluated = set(question_hashes(questions))
     if cfg.autotree.acceptance and not policy:
         candidates = [resolve_path(cfg.autotree.acceptance)]
     else:
         candidates = statistics_paths(resolve_path(cfg.autotree.dir), cfg.model.name, dtype, method, policy=policy)
-    make = command("acceptance", cfg, f" method={method.name} data=<questions you do not evaluate>")
+    make = command("acceptance", cfg, f" method={method.name}{sampling_overrides(cfg)} data=<questions you do not "
+                                      "evaluate>")
     what = f"method.{drafter_class(method).policy_param}=auto" if policy else "tree=auto"
     if not candidates or not candidates[0].is_file():
         raise AutoTreeError(f"{what} needs {'policy' if policy else 'acceptance'} statistics for {key} in "
@@ -434,7 +464,8 @@ def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: 
     usable, refused = [], []
     for path in candidates:
         stats = (PolicyStats if policy else Acceptance).load(path)
-        diff = [f"{k} ({key[k]!r} vs {stats.key.get(k)!r})" for k in key if key[k] != stats.key.get(k)]
+        diff = [f"{k} ({key.get(k)!r} vs {stats.key.get(k)!r})" for k in {**key, **stats.key}
+                if key.get(k) != stats.key.get(k)]
         overlap = len(evaluated & set(stats.question_hashes))
         if diff:
             refused.append(f"{path} differs in {'; '.join(diff)}")

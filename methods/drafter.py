@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 import torch
 from transformers import PreTrainedModel
 
+from methods.sampling import Sampling
 from methods.tree import Draft, TreeShape
 
 
@@ -31,7 +32,7 @@ class Step:
     shape: TreeShape
     tokens: torch.Tensor  # [size] block input ids
     logits: torch.Tensor  # [size, V] logits at every block position
-    predictions: torch.Tensor  # [size] argmax of logits
+    predictions: torch.Tensor  # [size] the choice rule's token after every block token (greedy: argmax of logits)
     accepted: torch.Tensor  # [L] block indices of the accepted path, root first
     path_ranks: list[int]  # sibling rank (TreeShape.sibling_ranks) of every accepted draft node, by depth
     emitted: list[int]  # tokens this step added to the output (accepted drafts + bonus, after stops)
@@ -45,7 +46,7 @@ class Drafter:
 
     Subclasses override what they need:
 
-    * ``reset`` at the start of every generation (each turn); hot-start state survives it by choice;
+    * ``begin`` and ``reset`` at the start of every generation (each turn); hot-start state survives it by choice;
     * ``propose`` returns a draft, or ``None`` to verify the root alone;
     * ``observe`` sees every verification step.
     """
@@ -84,6 +85,9 @@ class Drafter:
     candidate_score: int = 0
     #: settings a policy replaces (left out of its statistics' key)
     policy_replaces: tuple[str, ...] = ()
+    #: constructor arguments that change the drafts only under sampling (EAGLE's ``draft``): left out of the keys
+    #: of greedy decoding's statistics and drafting calibrations
+    sampling_params: tuple[str, ...] = ()
 
     @classmethod
     def aux_nodes(cls, params: Mapping, overrides: Mapping) -> Callable[[int], int]:
@@ -94,11 +98,18 @@ class Drafter:
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size  # the model's logit width (may exceed len(tokenizer))
         self.device = torch.device(device)
+        self.sampling, self.key = Sampling(), 0  # the engine's choice rule, set by begin
 
     def attach(self, model: PreTrainedModel) -> None:
         """Take what the drafter needs of the target model itself (its config, embeddings, lm_head): called
         by the harness before any question, so that a drafter that does not fit the model fails at once,
         and by :meth:`Engine.generate` (then a no-op for the same model)."""
+
+    def begin(self, sampling: Sampling, key: int) -> None:
+        """The engine's choice rule for the generation about to start (called before ``reset``): its settings and
+        the generation's key, kept as ``self.sampling`` and ``self.key`` so that a drafter may draft with the
+        target's public noise (``self.sampling.noise(self.key, position, ...)``); most drafters ignore them."""
+        self.sampling, self.key = sampling, key
 
     def reset(self, prompt: torch.Tensor, prefill_logits: torch.Tensor | None,
               prefill_hidden: torch.Tensor | None = None) -> None:

@@ -3,14 +3,16 @@
 Every method runs through :meth:`Engine.generate`: prefill, then steps until EOS or
 ``max_new_tokens``. A step feeds ``[root, draft nodes, extras]`` to the model in one forward with a
 tree attention mask and ``position_ids = prefix length + depth``, accepts the longest root-to-leaf
-path whose every token equals the model's argmax at its parent (ties: the first in BFS order),
-appends the bonus token (the argmax after the last accepted node), keeps the accepted nodes' KV
-entries in place and drops the rest. With no draft this is plain greedy decoding, one token per
-forward: the baseline.
+path whose every token equals the choice rule's token at its parent (ties: the first in BFS order),
+appends the bonus token (the rule's token after the last accepted node), keeps the accepted nodes' KV
+entries in place and drops the rest. With no draft this is plain decoding, one token per forward: the
+baseline.
 
-Greedy verification makes the output identical to greedy decoding whatever the drafter proposes,
-up to floating-point: exact in float32; in half precision a batched forward can flip near-tie
-argmaxes, which the analysis stage reports rather than hides.
+The choice rule (:class:`methods.sampling.Sampling`) is the argmax (greedy decoding, the default), or a
+sample whose noise is keyed by the absolute position it predicts, so that every node predicting position t
+uses the baseline's noise for t. Either way the output is the baseline's whatever the drafter proposes, up
+to floating-point: exact in float32; in half precision a batched forward can flip near-tie choices, which
+the analysis stage reports rather than hides.
 
 A forward's time is not monotonic in its token count: a CPU's matrix kernels work in blocks, and on
 this project's machines 7 or 11 tokens cost more than 8 or 12 (the device calibration measures it).
@@ -33,6 +35,7 @@ from transformers import PreTrainedModel
 
 from methods.drafter import Drafter, Step
 from methods.kv import SlabCache
+from methods.sampling import Sampling
 from methods.tree import Draft, TreeShape, chain
 
 
@@ -111,14 +114,16 @@ class Generation:
 
 
 class Engine:
-    """Verifies draft trees against a Hugging Face causal LM (batch size 1, greedy)."""
+    """Verifies draft trees against a Hugging Face causal LM (batch size 1) under one choice rule."""
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: set[int], max_length: int | None = None,
-                 time_forward: bool = False, padding: Padding | None = None):
+                 time_forward: bool = False, padding: Padding | None = None, sampling: Sampling | None = None):
         """``time_forward`` times every decode forward apart (on CUDA at the price of two syncs per step),
         so that the engine's and the drafter's own time per step can be reported. ``padding``: feed each
-        block as the size it names."""
+        block as the size it names. ``sampling``: the choice rule (None: greedy decoding)."""
         self.model = model
+        self.sampling = sampling or Sampling()
+        self._key = 0  # the generation's key: with the sampling seed and a position it keys the noise
         self.padding = padding
         self.time_forward = time_forward
         self.forward_time = 0.0
@@ -152,8 +157,9 @@ class Engine:
         return SlabCache(self.layers, capacity)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int) -> Generation:
-        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids``, verifying ``drafter``'s drafts.
+    def generate(self, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int, key: int = 0) -> Generation:
+        """Decode up to ``max_new_tokens`` after ``prompt_ids`` by the choice rule, verifying ``drafter``'s drafts.
+        ``key`` (any int) keys the sampling noise with the seed: the same key, the same answer.
 
         The answer ends at the first stop token, at ``max_new_tokens``, or where prompt + answer fill the model's
         context (``max_length``), by the same rule for every method; :attr:`Generation.end` says which.
@@ -166,6 +172,8 @@ class Engine:
         limit = len(prompt_ids) + max_new_tokens if self.max_length is None else min(
             len(prompt_ids) + max_new_tokens, self.max_length)  # the longest prompt + answer
         drafter.attach(self.model)
+        drafter.begin(self.sampling, key)
+        self._key = key
         if self._cache is None:
             self._cache = self.new_cache(limit + 64)
         cache = self._cache
@@ -183,7 +191,7 @@ class Engine:
         )
         cache.commit(len(prompt_ids))
         logits = out.logits[0]
-        first = int(logits[-1].argmax())  # the prefill's one host sync
+        first = int(self.sampling.choose(logits[-1:], key, len(prompt_ids)))  # the prefill's one host sync
         self._root.fill_(first)
         drafter.reset(prompt, logits if drafter.needs_prefill_logits else None, self._hidden(out, layers))
         self.sync()
@@ -266,9 +274,10 @@ class Engine:
         if not fed.is_chain:
             self._mask[: fed.size, position : position + fed.size].zero_()  # restore the all-zero invariant
         logits = out.logits[0, :size]  # [size, V]: padding rows dropped
-        pred = logits.argmax(-1)  # [size]
+        # the rule's token after every block token: row i predicts position + depth_i + 1
+        pred = self.sampling.choose(logits, self._key, position + 1, buf.depths, max(shape.depth_list) + 1)  # [size]
 
-        # A node is correct when its token is the argmax at its parent; it is accepted when it and all
+        # A node is correct when its token is the rule's choice at its parent; it is accepted when it and all
         # its ancestors are correct. The deepest accepted node wins, the first in BFS order on ties.
         correct = torch.ones(n1, dtype=torch.bool, device=self.device)
         correct[1:] = block[1:n1] == pred[buf.parents]

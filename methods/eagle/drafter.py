@@ -16,6 +16,15 @@ head forward over the expanded nodes (siblings share a position; each sees the c
 ancestors). The dynamic tree's shape changes from step to step; shapes are interned
 (:func:`methods.tree.interned`), so a recurring tree reuses its buffers.
 
+Under sampling (``sampling.temperature > 0``) the tree is filled as above (``draft=topk``), or with the target's
+public noise (``draft=coupled``, the drafter-invariant scheme of Daliri et al., arXiv 2408.07978): a node's
+first child is the head's own draw under the target's rule, ``argmax(log q / T + G)`` over the tokens the
+target's top-k / top-p keep of q, with the noise G of the position it predicts, so that a head that matches the
+target drafts the target's very sample; its next children follow by ``log q / T + G`` (samples without
+replacement from the head's tempered distribution, with the same noise). The dynamic tree scores a node's first
+child as its parent (a log-prob of 0), so the chain of first children is the tree's best branch. At T = 0 the
+two options draft alike.
+
 A head trained here ships its draft vocabulary (``draft_vocab.safetensors``: the target ids it drafts
 over, as EAGLE-3's ``d2t``): the head's next-token log-probs are over those rows of the lm_head only,
 which cuts the drafting's largest cost, the output projection, by V/N. Verification is untouched.
@@ -40,12 +49,15 @@ class Eagle(Drafter):
     untrained EAGLE-1 head, seeded: for tests and timing only); ``tree`` is ``dynamic`` (EAGLE-2) or a
     template name; ``draft_vocab``: True drafts over the head's draft vocabulary when it ships one, an
     int N over its N most frequent tokens, False over the whole vocabulary (an EAGLE-3 head always
-    drafts over its own). A :class:`TreePlan` as ``tree`` (``tree=auto``) gives a template per context bucket."""
+    drafts over its own). A :class:`TreePlan` as ``tree`` (``tree=auto``) gives a template per context bucket.
+    ``draft``: ``topk`` ranks a node's children by the head's log-probs, ``coupled`` by its draw with the target's
+    sampling noise (the module's docstring; the same as ``topk`` for greedy decoding)."""
 
     hidden_layers = EagleHead.reads  # set by the head in attach (EAGLE-3 reads three layers)
     tree_param = "tree"
     candidate_tree = "wide"  # what the head drafts depends only on the context: verified as it is
     drafting_cost = True
+    sampling_params = ("draft",)
 
     def __init__(
         self,
@@ -58,8 +70,11 @@ class Eagle(Drafter):
         top_k: int = 10,
         seed: int = 0,
         draft_vocab: bool | int = True,
+        draft: str = "topk",
     ):
         super().__init__(vocab_size, device)
+        if draft not in ("topk", "coupled"):
+            raise ValueError(f"method.draft must be topk or coupled, got {draft!r}")
         if head is None:
             raise HeadError("method.head is not set and the model's config names no eagle_head: give the directory "
                             "of an EAGLE head for this model (config.json + model.safetensors), train one (make "
@@ -69,7 +84,8 @@ class Eagle(Drafter):
                              f"got {total_tokens}, {depth}, {top_k}")
         if isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool) and draft_vocab < 1:
             raise ValueError(f"method.draft_vocab must be true, false or a positive count, got {draft_vocab}")
-        self.head_source, self.seed, self.draft_vocab = head, seed, draft_vocab
+        self.head_source, self.seed, self.draft_vocab, self.draft = head, seed, draft_vocab, draft
+        self._noise: torch.Tensor | None = None  # draft=coupled under sampling: T * noise per tree depth
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.plan = None if tree == "dynamic" else as_plan(tree)
         self._templates: dict[tuple, tuple] = {}  # per static tree: its levels (methods.eagle._levels), built once
@@ -154,6 +170,11 @@ class Eagle(Drafter):
             return None  # the plan drafts nothing at this context length; the head catches up later
         last = self._catch_up(ids)  # the head's prediction of the root's feature
         logp = self._logp(last)  # [N]: the first draft token's, over the draft vocabulary
+        self._noise = None
+        if self.draft == "coupled" and not self.sampling.greedy:  # depth d's children predict position len(ids) + d
+            levels = self.depth if template is None else len(template[1])
+            self._noise = self.sampling.noise(self.key, len(ids), levels, self.vocab_size, self.device,
+                                              self.vocab_ids).mul_(self.sampling.temperature)
         draft = self._dynamic(logp, last) if template is None else self._fill(logp, ids[-1], last, template)
         self.cache.crop(self.cached - self.cache.get_seq_length())  # drop the tree's entries: the context's stay
         return draft
@@ -182,6 +203,16 @@ class Eagle(Drafter):
         """Next-token log-probs over the draft vocabulary (indices into it; :meth:`_target_ids` maps them)."""
         return torch.log_softmax(F.linear(self.head.output_norm(out), self.vocab_rows), -1)
 
+    def _ranked(self, logp: torch.Tensor, width: int, depth: int) -> torch.Tensor:
+        """The ``width`` children [r, width] (indices into the draft vocabulary) of each of r nodes at ``depth``,
+        best first, from their log-probs [r, N]: by log-prob, or (``draft=coupled`` under sampling) the head's draw
+        under the target's rule first, then by log q + T * G."""
+        if self._noise is None:
+            return logp.topk(width, -1).indices
+        scores = logp + self._noise[depth]
+        drawn = self.sampling.select(logp, scores.clone())  # [r]: truncated as the target's choice is
+        return scores.scatter_(-1, drawn[:, None], float("inf")).topk(width, -1).indices
+
     def _target_ids(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.vocab_ids is None else self.vocab_ids[index]
 
@@ -208,27 +239,27 @@ class Eagle(Drafter):
         fed_out = root_out.new_empty(0, root_out.shape[-1])  # outputs of the fed nodes, in feeding order
         for d, (nodes, rows, visible, children, parent_rows, ranks) in enumerate(levels):
             if d == 0:
-                top = logp.topk(width).indices[None]  # the root's children
+                top = self._ranked(logp[None], width, 0)  # the root's children
             else:
                 parents_out = root_out.expand(len(nodes), -1) if d == 1 else fed_out[rows]
                 out, node_logp = self._feed(tokens[nodes], parents_out, visible, d)
                 fed_out = torch.cat([fed_out, out])
-                top = node_logp.topk(width, -1).indices
+                top = self._ranked(node_logp, width, d)
             tokens[children] = self._target_ids(top[parent_rows, ranks])
         return Draft(tokens[1:], shape)
 
     def _dynamic(self, logp: torch.Tensor, root_out: torch.Tensor) -> Draft:
         """EAGLE-2: expand the best ``top_k`` by cumulative log-prob per depth, keep the best overall."""
         k, dev = self.top_k, self.device
-        scores, tokens = logp.topk(k)
-        tokens = self._target_ids(tokens)
+        scores, tokens = self._children(logp[None], k, 0)
+        scores, tokens = scores[0], self._target_ids(tokens[0])
         all_tokens, all_scores, all_parents = [tokens], [scores], [torch.full((k,), -1, device=dev)]
         frontier, parent_out = torch.arange(k, device=dev), root_out.expand(k, -1)
         visible = self._eye
         count = k
         for d in range(1, self.depth):
             out, node_logp = self._feed(tokens, parent_out, visible, d)
-            child_scores, child_tokens = node_logp.topk(k, -1)  # [k, k]
+            child_scores, child_tokens = self._children(node_logp, k, d)  # [k, k]
             child_tokens = self._target_ids(child_tokens)
             cum = (scores[:, None] + child_scores).flatten()
             all_tokens.append(child_tokens.flatten())
@@ -258,6 +289,16 @@ class Eagle(Drafter):
 
     def finish(self) -> dict:
         return self.plan.report() if self.plan is not None else {}
+
+    def _children(self, logp: torch.Tensor, k: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dynamic tree's ``k`` children per node: their scores (log-probs; under ``draft=coupled`` the drawn
+        first child's is 0, so that it is scored as its parent) and indices, [r, k] each."""
+        if self._noise is None:
+            return logp.topk(k, -1)
+        index = self._ranked(logp, k, depth)
+        scores = logp.gather(-1, index)
+        scores.narrow(-1, 0, 1).zero_()
+        return scores, index
 
     def describe(self) -> dict:
         params = list(self.head.parameters()) if self.head is not None else []
