@@ -4,6 +4,7 @@ walk that picks the wheels of `make wheelhouse`."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -18,11 +19,16 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
+def outside_make() -> dict:
+    """The environment without what a calling make (`make test`) passes down to the makes these tests run."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+
+
 def install_commands(venv: Path, **variables: str) -> list[list[str]]:
     """What `make install` would run for a venv that does not exist yet, each command split as the shell would."""
     args = [f"{key}={value}" for key, value in variables.items()]
-    out = subprocess.run(["make", "-n", "install", f"VENV={venv}", *args], cwd=PROJECT_ROOT, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(["make", "-n", "--no-print-directory", "install", f"VENV={venv}", *args], cwd=PROJECT_ROOT,
+                         capture_output=True, text=True, check=True, env=outside_make()).stdout
     return [shlex.split(line) for line in out.splitlines()]
 
 

@@ -337,7 +337,7 @@ def test_a_resumed_sampled_run_continues_as_an_uninterrupted_one(tiny):
 def test_statistics_are_keyed_by_the_sampling_settings(tiny, capsys):
     """tree=auto (recycling) and mode=auto (sam) at T > 0: greedy statistics are refused with the command that
     collects them at this temperature; collected so, the chosen tree and policy are lossless."""
-    cal_cfg = ["calibration.sizes=[1,2,4,8,16,24]", "calibration.contexts=[16,64]", "calibration.repeats=1"]
+    cal_cfg = ["calibration.sizes=[1,2,4,8,16,24]", "calibration.contexts=[16,64]", "calibration.min_rounds=2", "calibration.budget_s=0"]
     calibrate.calibrate(config(*tiny["common"], *cal_cfg, name="calibrate"))
     greedy_stats = acceptance.collect(config(*tiny["common"], f"data.path={tiny['calib']}", "method=recycling",
                                              "autotree.passes=1"))
@@ -413,7 +413,7 @@ def statistics(shared_dir: Path, auto: list[str], sampled: list[str]) -> None:
     """A quick calibration, and Token Recycling's and SAM's statistics on another question at this temperature."""
     with FileLock(shared_dir / "statistics.lock"):
         calibrate.calibrate(config(*E2E, *auto, "calibration.sizes=[1,2,4,8,16]", "calibration.contexts=[64,256]",
-                                   "calibration.repeats=1", name="calibrate"))
+                                   "calibration.min_rounds=2", "calibration.budget_s=0", name="calibrate"))
         other = [*E2E, *auto, *sampled, "data.categories=[math_reasoning]", "autotree.passes=1"]
         acceptance.collect(config(*other, "method=recycling", "method.tree=paper-b3", "autotree.candidate=paper-b3"))
         acceptance.collect_policy(config(*other, "method=sam", "method.mode=auto"))
