@@ -56,6 +56,9 @@ from methods.paths import resolve_path
 from methods.tree import Draft, from_rank_paths, load_template
 
 
+BUSY = 0.05  # a reference step varying by more than this within its own repeats: another process shares the machine
+
+
 @dataclass
 class _Point:
     """The state one context length is timed in: its KV cache holding the prefix, the root, and a draft per size."""
@@ -166,17 +169,24 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
 
 
 def _verdict(drift: dict) -> dict:
-    """How far the machine's speed moved between the start and the end, against the reference's own noise."""
+    """How far the machine's speed moved between the start and the end, against the reference's own noise; a
+    reference that varies widely within its own repeats means a busy machine, which is said too."""
     start, end = statistics.median(drift["start"]), statistics.median(drift["end"])
     spread = max(statistics.median(abs(t - start) for t in drift["start"]),
                  statistics.median(abs(t - end) for t in drift["end"])) / start
     moved = end / start - 1
-    noisy = abs(moved) > max(3 * spread, 0.02)
-    verdict = (f"the machine's speed moved by {100 * moved:+.1f}% during the calibration (a single-token step at "
-               f"context {drift['context']}, start to end): its times may be off by as much; calibrate again on an "
-               f"idle machine" if noisy else
-               f"the machine's speed held during the calibration ({100 * moved:+.1f}% start to end, within noise)")
-    return {"moved": round(moved, 4), "beyond_noise": noisy, "verdict": verdict}
+    busy = spread > BUSY
+    noisy = busy or abs(moved) > max(3 * spread, 0.02)
+    where = f"(a single-token step at context {drift['context']}, start to end)"
+    if busy:
+        verdict = (f"the machine was busy: the reference step varied by +/-{100 * spread:.0f}% within its own repeats "
+                   f"and moved {100 * moved:+.0f}% {where}; calibrate again on an idle machine")
+    elif noisy:
+        verdict = (f"the machine's speed moved by {100 * moved:+.1f}% during the calibration {where}: its times may be "
+                   "off by as much; calibrate again on an idle machine")
+    else:
+        verdict = f"the machine's speed held during the calibration ({100 * moved:+.1f}% start to end, within noise)"
+    return {"moved": round(moved, 4), "spread": round(spread, 4), "beyond_noise": noisy, "verdict": verdict}
 
 
 class _Timed:
@@ -314,6 +324,10 @@ def _calibrate_steps(cfg: DictConfig, loaded: models.LoadedModel, key: dict, pat
     write_json(path, calibration.to_json())
     plot(calibration, path.with_suffix(".png"))
     print(f"calibrate: {calibration.summary()}; wrote {path} and {path.with_suffix('.png').name}", file=sys.stderr)
+    if drift["beyond_noise"] or calibration.curve.describe()["median_half_interval"] > BUSY:
+        print("calibrate: warning: this calibration is imprecise (see above); plans made from it will say so in "
+              "their intervals. Measure again on an idle machine: python -m evaluation.calibrate ... calibration.redo=true",
+              file=sys.stderr)
 
 
 def _calibrate_drafting(cfg: DictConfig, loaded: models.LoadedModel, key: dict, path: Path) -> None:

@@ -513,3 +513,13 @@ def test_make_calibrate_collects_with_each_auto_entrys_settings():
     assert not any("=auto" in line for line in out if "evaluation.calibrate" in line)
     # on questions of the evaluated categories that are not evaluated
     assert all("data=spec_bench_mini" in run and "autotree.heldout=2" in run for run in acceptance_runs)
+
+
+def test_the_calibration_says_when_the_machine_moved_or_was_busy():
+    steady = calibrate._verdict({"context": 512, "start": [10.0, 10.1, 9.9, 10.0, 10.0],
+                                 "end": [10.1, 10.0, 10.1, 10.2, 10.1]})
+    assert not steady["beyond_noise"] and "held" in steady["verdict"]
+    moved = calibrate._verdict({"context": 512, "start": [10.0] * 5, "end": [11.5, 11.5, 11.6, 11.4, 11.5]})
+    assert moved["beyond_noise"] and "moved by +15.0%" in moved["verdict"]
+    busy = calibrate._verdict({"context": 512, "start": [10.0, 14.0, 7.0, 12.0, 10.0], "end": [17.0] * 5})
+    assert busy["beyond_noise"] and "the machine was busy" in busy["verdict"]
