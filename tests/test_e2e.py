@@ -24,7 +24,7 @@ from helpers import config, method_names
 
 pytestmark = pytest.mark.slow
 
-TOKENS = 48
+TOKENS = 32
 VARIANTS = [[f"method={m}"] for m in method_names() if m not in ("baseline", "eagle")] + [
     ["method=recycling", "method.start=cold", "method.tree=paper-b4"],
     # the shipped head (methods/eagle/heads/smollm2-135m) over its draft vocabulary: the CPU default (the static
