@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Sequence
 
@@ -74,6 +74,7 @@ class CostCurve:
     sizes: tuple[int, ...]
     fitted: np.ndarray  # [contexts, sizes]
     replicates: np.ndarray  # [B, contexts, sizes]
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)  # (q, context) -> replicates, once each
 
     @classmethod
     def from_samples(cls, contexts: Sequence[int], sizes: Sequence[int], samples: Sequence[Sequence[Sequence[float]]],
@@ -103,8 +104,12 @@ class CostCurve:
         return float(self._at(self.fitted, q, context))
 
     def replicate_seconds(self, q: float, context: float) -> np.ndarray:
-        """The same from every bootstrap replicate ([B] s)."""
-        return self._at(self.replicates, q, context)
+        """The same from every bootstrap replicate ([B] s); computed once per (q, context): a plan that corrects
+        itself while a run goes asks for the same ones again and again."""
+        key = (q, context)
+        if key not in self._cache:
+            self._cache[key] = self._at(self.replicates, q, context)
+        return self._cache[key]
 
     def interval(self, q: float, context: float, level: float = 0.9) -> tuple[float, float]:
         """The central ``level`` interval of a step's time (s) over the replicates."""

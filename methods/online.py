@@ -12,7 +12,7 @@ size it fed and the accepted path to the drafter, which passes them here:
   a factor on every candidate node's share at that depth (deeper than observed: the deepest observed factor);
 * a few steps in many verify half the chosen tree (:attr:`AdaptiveTreePlan.probing`), so that the cost is seen at
   two sizes;
-* every ``every`` steps the plan is made anew from the corrected inputs (so with their uncertainty: the cheapest tree
+* every ``every`` (32) steps the plan is made anew from the corrected inputs (so with their uncertainty: the cheapest tree
   the fastest does not clearly beat); where its tree for the current context differs, it is taken if it is the
   cheaper one, or if it beats the current one under the corrected inputs by more than ``hysteresis``.
 
@@ -28,8 +28,8 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 from methods.costs import ContextCost
-from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, TreePlan, plan,
-                                 policy_plan)
+from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, TreePlan, best_policy,
+                                 best_tree, plan, policy_plan)
 
 CostAt = Callable[[int, Callable[[int], float] | None], ContextCost]  # (context, scale per fed size) -> the cost there
 
@@ -81,7 +81,7 @@ class AdaptiveTreePlan:
     re-made from the run's own steps (:meth:`observe`)."""
 
     def __init__(self, stats: NodeStats, cost_at: CostAt, contexts: Sequence[int], sources: dict | None = None,
-                 draft: Callable[[int], DraftCost] | None = None, every: int = 16, prior_steps: float = 32.0,
+                 draft: Callable[[int], DraftCost] | None = None, every: int = 32, prior_steps: float = 32.0,
                  hysteresis: float = 0.02, probe: tuple[int, int] = (4, 64)):
         self.stats, self.cost_at, self.contexts, self.draft = stats, cost_at, tuple(contexts), draft
         self.every, self.prior, self.hysteresis, self.probe = every, prior_steps, hysteresis, probe
@@ -172,17 +172,20 @@ class AdaptiveTreePlan:
         return tokens / seconds
 
     def _replan(self, context: int) -> None:
+        """Choose again at this context's calibrated length (the plan's bucket here); only where that differs from
+        the tree in use and is to be taken, make the whole plan anew (every bucket) from the corrected inputs."""
         stats = self.corrected()
         cost_at = lambda c: self.cost_at(c, self.cost.factor)  # noqa: E731 -- the corrected cost, per context
-        new = plan(stats, cost_at, self.contexts, sources=self.sources, draft=self.draft)
-        old_tree, new_tree = self.plan.trees[self.plan.index(context)], new.trees[new.index(context)]
+        here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
+        new_tree = best_tree(stats, cost_at(here), None, here, self.draft(here) if self.draft else None).paths
+        old_tree = self.plan.trees[self.plan.index(context)]
         if new_tree == old_tree:
             return
         cost = cost_at(context)
         gain = self._speed(stats, new_tree, cost, context) / self._speed(stats, old_tree, cost, context) - 1
         if cost.seconds(len(new_tree) + 1) >= cost.seconds(len(old_tree) + 1) and gain <= self.hysteresis:
             return  # a dearer tree must win by more than the hysteresis; a cheaper one the planner prefers is taken
-        self.plan = new
+        self.plan = plan(stats, cost_at, self.contexts, sources=self.sources, draft=self.draft)
         self.version += 1
         self.changes.append({"step": self.steps, "context": context, "from_nodes": len(old_tree),
                              "to_nodes": len(new_tree), "to": [list(p) for p in new_tree],
@@ -201,7 +204,7 @@ class AdaptivePolicyPlan:
     steps, which SAM scores exactly (how deep its chain and its fallback would have been accepted), and costs."""
 
     def __init__(self, counts: ClassCounts, cost_at: CostAt, contexts: Sequence[int], aux_nodes: Callable[[int], int],
-                 max_chain: int, sources: dict | None = None, every: int = 16, prior_steps: float = 64.0,
+                 max_chain: int, sources: dict | None = None, every: int = 32, prior_steps: float = 64.0,
                  hysteresis: float = 0.02):
         self.counts = {k: dict(t) for k, t in counts.items()}
         total = sum(sum(t.values()) for t in self.counts.values())
@@ -215,6 +218,7 @@ class AdaptivePolicyPlan:
         self.run: dict[int, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
         self.steps, self.version, self.changes, self._reported = 0, 0, [], 0
         self.scores = max_chain  # SAM scores its chain up to this length at every step, for observe_scored
+        self._replanned = 0  # the step of the last re-plan
 
     def option(self, context: int, klass: int):
         return self.plan.option(context, klass)
@@ -234,26 +238,29 @@ class AdaptivePolicyPlan:
     def observe_scored(self, klass: int, chain: int, aux: int, context: int) -> None:
         """One step scored once its continuation was known (SAM's ``score``)."""
         self.run[klass][chain, aux] += 1
-        if sum(map(len, self.run.values())) and self.steps and self.steps % self.every == 0:
+        if self.steps >= self._replanned + self.every:
             self._replan(context)
 
     def _replan(self, context: int) -> None:
+        """Choose again at this context's calibrated length; only where that differs from the policy in use and is
+        to be taken, make the whole plan anew from the offline and the run's counts."""
+        self._replanned = self.steps
         counts: dict[int, dict[tuple[int, int], float]] = defaultdict(lambda: defaultdict(float))
         for source, weight in ((self.counts, self.weight), (self.run, 1.0)):
             for klass, table in source.items():
                 for cell, n in table.items():
                     counts[klass][cell] += weight * n
         cost_at = lambda c: self.cost_at(c, self.cost.factor)  # noqa: E731
-        new = policy_plan(counts, cost_at, self.contexts, self.aux_nodes, self.chain_limit, self.sources)
+        here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
+        new_choice = best_policy(counts, cost_at(here), self.aux_nodes(here), self.chain_limit, here)
         old_choice = self.plan.choices[_bucket(self.plan, context)]
-        new_choice = new.choices[_bucket(new, context)]
         if new_choice.options == old_choice.options:
             return
-        gain = new_choice.tokens_per_s / _policy_speed(old_choice.options, counts, cost_at(context),
-                                                       self.aux_nodes(context)) - 1
+        gain = new_choice.tokens_per_s / _policy_speed(old_choice.options, counts, cost_at(here),
+                                                       self.aux_nodes(here)) - 1
         if gain <= self.hysteresis:
             return
-        self.plan = new
+        self.plan = policy_plan(counts, cost_at, self.contexts, self.aux_nodes, self.chain_limit, self.sources)
         self.version += 1
         self.changes.append({"step": self.steps, "context": context, "to": new_choice.describe()["by_class"],
                              "predicted_gain": round(gain, 4), "cost": self.cost.describe()})

@@ -149,18 +149,6 @@ def _replicates(cost: Callable[[int], float]) -> Callable[[int], np.ndarray]:
     return getattr(cost, "replicates", None) or exact(cost)
 
 
-def _accepted_se(nodes: Sequence[tuple[RankPath, float]], rate: float, steps: int) -> float:
-    """The standard error of a tree's mean accepted drafts per step, from its nodes' shares over ``steps``.
-
-    The accepted drafts of a step are the nodes on one root path: a node's indicator overlaps its ancestors'
-    (both accepted: the node's share) and excludes its siblings', so E[L^2] = sum_j p_j (2 depth_j - 1)."""
-    if not steps or not nodes:
-        return 0.0
-    mean = sum(p for _, p in nodes)
-    square = sum(p * (2 * len(path) - 1) for path, p in nodes)
-    return rate * math.sqrt(max(square - mean * mean, 0.0) / steps)
-
-
 def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes: int | None = None,
               context: int = 0, draft: DraftCost | None = None, confidence: float = CONFIDENCE) -> Choice:
     """The tree to verify: the cheapest candidate that the one of most expected tokens per second does not beat
@@ -177,39 +165,48 @@ def best_tree(stats: NodeStats, step_seconds: Callable[[int], float], max_nodes:
     base, base_b = step_seconds(1), reps(1)
     noise = np.random.default_rng(0).standard_normal(REPLICATES)  # common to every candidate: a paired comparison
     limits = sorted({len(p) for p, _ in ranked}) if draft is not None else [None]
-    candidates = []  # (speed, seconds, paths, tokens, drafting, speeds over the replicates)
+    candidates = []  # per candidate: (paths, tokens, drafting, the tokens' standard error)
     for limit in limits:
         nodes = [(p, q) for p, q in ranked if limit is None or len(p) <= limit]
-        gain, depth, inner, parents = 0.0, 0, 0, set()
+        gain, depth, inner, parents, mean, square = 0.0, 0, 0, set(), 0.0, 0.0
         for n in range(len(nodes) + 1):
             drafting = 0.0
             if n:
                 path, p = nodes[n - 1]
                 gain += p
+                # a step's accepted drafts L are the nodes of one root path: a node's indicator overlaps its
+                # ancestors' and excludes its siblings', so E[L^2] = sum_j p_j (2 depth_j - 1)
+                mean, square = mean + p, square + p * (2 * len(path) - 1)
                 depth = max(depth, len(path))
                 if len(path) > 1 and path[:-1] not in parents:
                     parents.add(path[:-1])
                     inner += 1
                 drafting = draft.seconds(depth, inner) if draft is not None else 0.0
-            tokens = 1 + rate * gain
-            if n:
-                seconds = rate * (step_seconds(n + 1) + drafting) + (1 - rate) * base
-                seconds_b = rate * (reps(n + 1) + drafting) + (1 - rate) * base_b
-            else:
-                seconds, seconds_b = base, base_b
-            tokens_b = np.maximum(tokens + noise * _accepted_se(nodes[:n], rate, stats.steps), 1.0)
-            candidates.append((tokens / seconds, seconds, tuple(p for p, _ in nodes[:n]), tokens, drafting,
-                               tokens_b / seconds_b))
-    fastest = max(candidates, key=lambda c: c[0])
+            se = rate * math.sqrt(max(square - mean * mean, 0.0) / stats.steps) if stats.steps else 0.0
+            candidates.append((tuple(p for p, _ in nodes[:n]), 1 + rate * gain, drafting, se))
+    # every candidate at once: its time and tokens per second, point and per replicate
+    sizes = [len(c[0]) + 1 for c in candidates]
+    drafting = np.array([c[2] for c in candidates])
+    tokens = np.array([c[1] for c in candidates])
+    seconds = np.where([len(c[0]) > 0 for c in candidates],
+                       rate * (np.array([step_seconds(q) for q in sizes]) + drafting) + (1 - rate) * base, base)
+    seconds_b = np.where(np.array([len(c[0]) > 0 for c in candidates])[:, None],
+                         rate * (np.stack([np.broadcast_to(reps(q), base_b.shape) for q in sizes]) + drafting[:, None])
+                         + (1 - rate) * base_b, base_b)  # [candidates, B]
+    tokens_b = np.maximum(tokens[:, None] + noise[None, :] * np.array([c[3] for c in candidates])[:, None], 1.0)
+    speed, speed_b = tokens / seconds, tokens_b / seconds_b
+    fastest = int(np.argmax(speed))
     # the cheapest candidate the fastest does not clearly beat (the fastest itself at worst)
-    speed, seconds, chosen, tokens, drafting, speed_b = min(
-        (c for c in candidates if c is fastest or np.mean(fastest[5] > c[5]) < confidence),
-        key=lambda c: (c[1], -c[0]))
+    beaten = np.mean(speed_b[fastest][None, :] > speed_b, axis=1) >= confidence
+    beaten[fastest] = False
+    allowed = np.flatnonzero(~beaten)
+    pick = int(allowed[np.lexsort((-speed[allowed], seconds[allowed]))[0]])
+    chosen, tokens_i, drafting_i = candidates[pick][0], float(tokens[pick]), float(drafting[pick])
     paths = tuple(sorted(chosen, key=lambda p: (len(p), p)))
-    interval = tuple(float(v) for v in np.quantile(speed_b * base_b, [0.05, 0.95]))
-    return Choice(paths=paths, context=context, draft_rate=rate if paths else 0.0, expected_tokens=tokens,
-                  step_ms=1000 * seconds, tokens_per_s=speed, baseline_tokens_per_s=1 / base,
-                  draft_ms=1000 * drafting if draft is not None else None, speedup_interval=interval)
+    interval = tuple(float(v) for v in np.quantile(speed_b[pick] * base_b, [0.05, 0.95]))
+    return Choice(paths=paths, context=context, draft_rate=rate if paths else 0.0, expected_tokens=tokens_i,
+                  step_ms=1000 * float(seconds[pick]), tokens_per_s=float(speed[pick]), baseline_tokens_per_s=1 / base,
+                  draft_ms=1000 * drafting_i if draft is not None else None, speedup_interval=interval)
 
 
 def plan(stats: NodeStats, cost_at: Callable[[int], Callable[[int], float]], contexts: Sequence[int],
@@ -416,35 +413,42 @@ def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_n
     noise = np.random.default_rng(0).standard_normal(REPLICATES)
     options = [StepOption(aux, length) for aux in ((False, True) if aux_nodes else (False,))
                for length in range(max_chain + 1)]
-    size = {o: 1 + o.chain + (aux_nodes if o.aux else 0) for o in options}
-    seconds = {o: step_seconds(size[o]) for o in options}
-    seconds_b = {o: reps(size[o]) for o in options}
-    weight = {klass: sum(table.values()) for klass, table in counts.items()}
+    chain = np.array([o.chain for o in options])[:, None]  # [options, 1]
+    with_aux = np.array([o.aux for o in options])[:, None]
+    size = [1 + o.chain + (aux_nodes if o.aux else 0) for o in options]
+    seconds_v = np.array([step_seconds(q) for q in size])  # [options]
+    seconds_bv = np.stack([np.broadcast_to(reps(q), base_b.shape) for q in size])  # [options, B]
+    per_step, cells, weight = {}, {}, {}
+    for klass, table in counts.items():
+        c, a = (np.array([cell[i] for cell in table], dtype=float)[None, :] for i in (0, 1))
+        per_step[klass] = 1 + np.maximum(np.minimum(c, chain), np.where(with_aux, a, 0))  # [options, cells]
+        cells[klass] = np.array(list(table.values()), dtype=float)
+        weight[klass] = float(cells[klass].sum())
     total = sum(weight.values())
-    per_step = {(klass, o): np.array([1 + max(min(c, o.chain), a if o.aux else 0) for c, a in table], dtype=float)
-                for klass, table in counts.items() for o in options}  # accepted tokens, one entry per (c, a) cell
-    cells = {klass: np.array(list(table.values()), dtype=float) for klass, table in counts.items()}
-    tokens = {(klass, o): float(per_step[klass, o] @ cells[klass]) / weight[klass] for klass in counts for o in options}
-    rate, chosen = 1 / base, {}
-    for _ in range(100):
-        chosen = {klass: max(options, key=lambda o: (tokens[klass, o] - rate * seconds[o], -seconds[o]))
-                  for klass in counts}
+    tokens_v = {k: per_step[k] @ cells[k] / weight[k] for k in counts}  # [options] per class
+    rate, pick = 1 / base, {}
+    for _ in range(100):  # the first option of the highest E - r T, the cheapest on a tie
+        pick = {k: int(np.lexsort((seconds_v, -(tokens_v[k] - rate * seconds_v)))[0]) for k in counts}
         if not total:
             break
-        expected = sum(weight[k] * tokens[k, o] for k, o in chosen.items()) / total
-        step = sum(weight[k] * seconds[o] for k, o in chosen.items()) / total
+        expected = sum(weight[k] * tokens_v[k][o] for k, o in pick.items()) / total
+        step = sum(weight[k] * seconds_v[o] for k, o in pick.items()) / total
         if expected / step <= rate * (1 + 1e-12):
             break
         rate = expected / step
-    for klass, best in chosen.items():
-        def clearly_better(o: StepOption) -> bool:  # does `best` beat the cheaper `o` in the replicates?
-            diff = per_step[klass, best] - per_step[klass, o]  # per step of this class, same steps
-            mean = float(diff @ cells[klass]) / weight[klass]
-            var = float((diff - mean) ** 2 @ cells[klass]) / weight[klass]
-            gain = mean + noise * math.sqrt(var / weight[klass]) - rate * (seconds_b[best] - seconds_b[o])
-            return bool(np.mean(gain > 0) >= confidence)
-        cheaper = sorted((o for o in options if seconds[o] < seconds[best]), key=lambda o: seconds[o])
-        chosen[klass] = next((o for o in cheaper if not clearly_better(o)), best)
+    for klass, best in pick.items():
+        # does `best` beat each cheaper option in the replicates? (the two on the same steps of this class: paired)
+        diff = per_step[klass][best][None, :] - per_step[klass]  # [options, cells]
+        mean = diff @ cells[klass] / weight[klass]
+        sd = np.sqrt(np.maximum((diff - mean[:, None]) ** 2 @ cells[klass] / weight[klass], 0.0) / weight[klass])
+        gain = mean[:, None] + noise[None, :] * sd[:, None] - rate * (seconds_bv[best][None, :] - seconds_bv)
+        clearly = np.mean(gain > 0, axis=1) >= confidence
+        cheaper = [o for o in np.argsort(seconds_v, kind="stable") if seconds_v[o] < seconds_v[best]]
+        pick[klass] = next((int(o) for o in cheaper if not clearly[o]), best)
+    chosen = {k: options[o] for k, o in pick.items()}
+    tokens = {(k, options[o]): float(tokens_v[k][o]) for k in counts for o in range(len(options))}
+    seconds = {options[o]: float(seconds_v[o]) for o in range(len(options))}
+    seconds_b = {options[o]: seconds_bv[o] for o in range(len(options))}
     return _policy_choice(chosen, counts, weight, tokens, seconds, seconds_b, base, base_b, context, confidence)
 
 
