@@ -170,6 +170,13 @@ class BatchEngine:
         self.clock += seconds
         return gen
 
+    def rewind(self, slot: int, length: int, root: int) -> None:
+        """Row ``slot`` back to its first ``length`` entries with ``root`` as its next root (a calibration times the
+        same step again)."""
+        self._set_length(slot, length)
+        self._roots[slot : slot + 1].fill_(root)
+        self.cache.commit(max(self.lengths))
+
     def free(self, slot: int) -> None:
         """Row ``slot`` holds nothing (its columns are masked in every later step until it is prefilled again)."""
         self._set_length(slot, 0)
