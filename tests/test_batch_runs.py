@@ -242,3 +242,38 @@ def test_smollm2_rows_equal_batch_1_on_spec_bench_mini(tmp_path):
     checked = equal.check(comparisons, lambda meta: str)
     assert len(checked) == 4 and all(r.baseline_label == "baseline" for _, r in checked)
     assert all(r.ok and r.n_questions == 3 for _, r in checked), [equal.format_report(r, "") for _, r in checked]
+
+
+def test_auto_plans_at_a_batch_size_from_its_calibration_and_batch_1_statistics(tmp_path):
+    """make bench ARGS=batch_size=2 in small: the calibration measures B=2, the statistics are collected at batch
+    size 1, and tree=auto and SAM's mode=auto plan with the step over two rows; every row stays batch 1's."""
+    from evaluation.acceptance import collect, collect_policy
+
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt", max_positions=256)
+    words = "a b c d e f g h".split()
+
+    def asked(name: str, offset: int) -> Path:
+        lines = [json.dumps({"question_id": i, "category": "qa",
+                             "turns": [" ".join((words[(i + offset) % 8:] + words[:(i + offset) % 8]) * 3)]})
+                 for i in range(4)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        return tmp_path / f"{name}.jsonl"
+
+    common = ["model=hf", f"model.path={checkpoint}", "model.template=plain", "max_new_tokens=24", "dtype=float32",
+              "device=cpu", "threads=1", f"autotree.dir={tmp_path / 'calibration'}", "run.progress=false", "warmup=0",
+              "batch_size=2"]
+    calibrate.calibrate(config(*common, *CAL, name="calibrate"))
+    recycling = ["method=recycling", "method.tree=auto"]
+    stats = collect(config(*common, f"data.path={asked('calib', 0)}", *recycling))
+    source = json.loads(stats.read_text())["provenance"]["result_file"]
+    assert "-b2" not in Path(source).name  # collected one sequence at a time
+    sam = ["method=sam", "method.mode=auto", "method.aux_tree=auto", "method.threshold=2"]
+    collect_policy(config(*common, f"data.path={asked('calib', 0)}", *sam))
+    out = [f"data.path={asked('eval', 4)}", f"run.dir={tmp_path / 'results'}"]
+    single = run(config(*[c for c in common if c != "batch_size=2"], *out, "method=baseline"))
+    for method, plan in ((recycling, "plan"), (sam, "policy")):
+        path = run(config(*common, *out, *method))
+        meta = json.loads(meta_path(path).read_text())
+        assert meta["batch_size"] == 2 and meta["drafter"][plan]["sources"]["batch_size"] == 2
+        assert meta["padding"]["batch_size"] == 2
+        assert outputs(path) == outputs(single)
