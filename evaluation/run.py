@@ -234,7 +234,8 @@ class Job:
             yield from self.batch.serve((self._session(q) for q in questions), self.drafter)
         except Stopped as stop:  # the questions in flight are abandoned: nothing of them is written
             abandoned = [str(q) for q, recorded in self.in_flight.items() if not recorded]
-            stop.locate(self.path, ", ".join(abandoned) or "none", not abandoned, len(self.results.records),
+            last = [str(q) for q, recorded in self.in_flight.items() if recorded][-1:]
+            stop.locate(self.path, ", ".join(abandoned or last) or "none", not abandoned, len(self.results.records),
                         self.n_questions)
             raise
 
@@ -310,7 +311,7 @@ def record_failure(cfg: DictConfig, err: BaseException, command: Sequence[str]) 
     """Write the failure marker of ``cfg``'s job beside its result file; None where the config cannot name it."""
     try:
         path = planned_path(cfg)
-        job = {"model": cfg.model.name, "data": cfg.data.name, "label": cfg.method.label, "run": cfg.run.id,
+        job = {"model": cfg.model.name, "data": cfg.data.name, "label": run_label(cfg), "run": cfg.run.id,
                "command": list(command)}
     except Exception:  # noqa: BLE001 -- the config itself is broken: the error says so without a marker
         return None
