@@ -277,3 +277,27 @@ def test_auto_plans_at_a_batch_size_from_its_calibration_and_batch_1_statistics(
         assert meta["batch_size"] == 2 and meta["drafter"][plan]["sources"]["batch_size"] == 2
         assert meta["padding"]["batch_size"] == 2
         assert outputs(path) == outputs(single)
+
+
+def test_a_stopped_batched_run_abandons_its_rows_and_its_rerun_completes_it(tmp_path):
+    """SIGTERM while two questions are in flight: both abandoned (nothing of them written), exit 75, and the same
+    command again answers them; every answer equals an uninterrupted run's."""
+    import signal
+    import sys
+
+    from evaluation import signals
+    from test_survival import STOP_MESSAGE, interrupt
+
+    checkpoint = tiny_checkpoint(tmp_path / "long", ends=False)  # answers run to the budget: tens of ms a question
+    data = questions(tmp_path / "q.jsonl", 6)
+    reference = run(config(*tiny_args(checkpoint, data, tmp_path / "whole", tokens=200), "batch_size=2"))
+    args = [*tiny_args(checkpoint, data, tmp_path / "stopped", tokens=200), "batch_size=2"]
+    target = tmp_path / "stopped" / reference.relative_to(tmp_path / "whole")
+    code = interrupt([sys.executable, "-m", "evaluation.run", *args], target, signal.SIGTERM, tmp_path / "log")
+    stop = STOP_MESSAGE.search((tmp_path / "log").read_text())
+    assert code == signals.EXIT_STOPPED and stop is not None, (tmp_path / "log").read_text()
+    recorded = [r["question_id"] for r in records(target)]
+    assert 2 <= len(recorded) < 6 and len(set(recorded)) == len(recorded)
+    run(config(*args))
+    ids = [r["question_id"] for r in records(target)]
+    assert sorted(ids) == list(range(6)) and outputs(target) == outputs(reference)
