@@ -105,14 +105,14 @@ def picked_size(shape: TreeShape) -> int:
     return max(shape.depth_list[: shape.n_nodes]) + 3
 
 
-def read_path(shape: TreeShape, buf: ShapeBuffers, picked: Sequence[int]) -> tuple[int, torch.Tensor, list[int], list[int]]:
+def read_path(shape: TreeShape, buf: ShapeBuffers, picked: list[int]) -> tuple[int, torch.Tensor, list[int], list[int]]:
     """What the host read of a step (``[best, path tokens, bonus]``, :func:`picked_size` values) says: the accepted
     node, its path's block indices on the device ([L], root first), the sibling ranks of the accepted draft nodes,
     and the tokens emitted (the accepted nodes' and the bonus: L of them)."""
     best = picked[0]
     length = shape.depth_list[best] + 1  # root + accepted nodes
     ranks = [shape.sibling_ranks[i] for i in shape.paths[best][1:]]
-    return best, buf.paths[best, :length], ranks, list(picked[2 : 1 + length]) + [picked[-1]]
+    return best, buf.paths[best, :length], ranks, picked[2 : 1 + length] + [picked[-1]]
 
 
 class PromptTooLong(ValueError):
