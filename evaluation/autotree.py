@@ -52,7 +52,8 @@ def _at_batch(cfg: DictConfig, calibration: store.Calibration, path: object, bat
               get: Callable[[int], T]) -> T:
     """``get(batch)`` of the calibration, or an AutoTreeError with the command that measures that batch size."""
     if batch not in calibration.batch_sizes:
-        raise AutoTreeError(f"batch_size={batch}: calibration {path} holds batch sizes {list(calibration.batch_sizes)}; "
+        raise AutoTreeError(f"batch_size={batch}: calibration {path} holds batch sizes "
+                            f"{list(calibration.batch_sizes)}; "
                             f"measure batch size {batch} with: {store.command('calibrate', cfg)} "
                             f"calibration.batch_sizes=[{batch}] (the sizes it holds are kept)")
     return get(batch)

@@ -52,8 +52,8 @@ def together(batch: BatchEngine, prompts: list[list[int]]) -> list[int]:
     batch.cache.reserve(width + 64)
     last = sorted(set((lengths - 1).tolist()))
     out = eng.model(input_ids=ids.to(eng.device), position_ids=keys.expand(rows, -1).to(eng.device),
-                    attention_mask=mask.to(eng.device), use_cache=True, logits_to_keep=torch.tensor(last, device=eng.device),
-                    **{eng.cache_kw: batch.cache})
+                    attention_mask=mask.to(eng.device), use_cache=True,
+                    logits_to_keep=torch.tensor(last, device=eng.device), **{eng.cache_kw: batch.cache})
     first = out.logits[torch.arange(rows), [last.index(n - 1) for n in lengths.tolist()]].argmax(-1).tolist()
     for row, prompt in enumerate(prompts):
         batch.rewind(row, len(prompt), first[row])

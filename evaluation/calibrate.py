@@ -190,7 +190,8 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
     table = [[samples[c, q] for q in sizes] for c in contexts]
     if progress:
         for c, row in zip(contexts, table):
-            print(f"calibrate: {f'batch {batch}, ' if batch > 1 else ''}context {c}: " + ", ".join(f"q={q} {statistics.median(t):.1f} ms ({len(t)}x)"
+            where = f"batch {batch}, context {c}" if batch > 1 else f"context {c}"
+            print(f"calibrate: {where}: " + ", ".join(f"q={q} {statistics.median(t):.1f} ms ({len(t)}x)"
                                                           for q, t in zip(sizes, row) if q in (1, 2, 4, 8, 16, 32, 128)),
                   file=sys.stderr)
     return table, drift | {"rounds": rounds, "seconds": round(time.perf_counter() - started, 1)}

@@ -200,8 +200,8 @@ class Job:
             if self.batch is None:
                 self.engine.generate(warm[1], drafter, cfg.max_new_tokens, key=generation_key(warm[0]["question_id"], 0))
             else:  # every row once, in one batch
-                run_batch(self.batch, (_ask(Request(warm[1], cfg.max_new_tokens, generation_key(warm[0]["question_id"], 0)))
-                                       for _ in range(self.batch_size)), drafter)
+                request = Request(warm[1], cfg.max_new_tokens, generation_key(warm[0]["question_id"], 0))
+                run_batch(self.batch, (_ask(request) for _ in range(self.batch_size)), drafter)
         if self.results.records and drafter.state_dict():
             if self.state_path.exists():
                 drafter.load_state_dict(torch.load(self.state_path, map_location=device))

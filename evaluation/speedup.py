@@ -249,7 +249,8 @@ def format_batch(batch: pd.DataFrame, style: str = "text", predicted: pd.DataFra
     run) and, given ``predicted`` (evaluation.steps.batch_prediction), predicted by the cost model."""
     if batch.empty:
         return ""
-    lines = [f"measured: {key[-1]}: {describe_crossover(speedups)}" for key, speedups in measured_speedups(batch).items()]
+    lines = [f"measured: {key[-1]}: {describe_crossover(speedups)}"
+             for key, speedups in measured_speedups(batch).items()]
     for _, row in (predicted if predicted is not None else pd.DataFrame()).iterrows():
         at = ", ".join(f"B={b} {v:.2f}" for b, v in sorted(row["predicted"].items()))
         lines.append(f"predicted (calibration x its steps at B={row['from_batch_size']}, the forward's cost only): "
@@ -285,8 +286,8 @@ def write_outputs(table: pd.DataFrame, out_dir: Path, accepted: pd.DataFrame | N
     drafted = pd.DataFrame() if drafted is None else drafted
     paths = [out_dir / f"speedup.{ext}" for ext in ("md", "csv", "tex")]
     batch = batch_table(table)
-    extra = "\n".join(part for part in (format_batch(batch, "md", predicted), format_steps(accepted, cost, "md", drafted))
-                      if part)
+    extra = "\n".join(part for part in (format_batch(batch, "md", predicted),
+                                       format_steps(accepted, cost, "md", drafted)) if part)
     unfinished = "\n".join(["", pending[0], "", *(f"- {line.strip()}" for line in pending[1:]), ""]) if pending else ""
     paths[0].write_text(format_table(table, "md") + unfinished + ("\n" + extra if extra else ""), encoding="utf-8")
     table.to_csv(paths[1], index=False)
