@@ -5,6 +5,10 @@
 # question (SCHEDULE=interleaved, the default) or run one after another (SCHEDULE=sequential).
 #   make bench EXPERIMENT=readme_cpu   runs every job of conf/experiment/readme_cpu.yaml into $(RUN_DIR)/readme_cpu,
 #                                      then the speedup table and the report (ARGS: extra Hydra overrides, e.g. a launcher).
+#                                      An experiment that lists `methods:` (batch_cpu) runs through evaluation.interleave:
+#                                      one interleaved run per point of its sweep (e.g. per batch size).
+#   make bench ARGS="batch_size=4"     B questions at once (docs/batching.md); make calibrate measures that batch size too.
+#   make calibrate BATCH_SIZES="1 2 4 8"   calibrate those batch sizes as well (tree=auto plans per batch size).
 # Every bench ends by printing the speedup table and writing the report (evaluation.report: report.md with its plots,
 # report.html, report.json) into the run's folder, and prints the paths it wrote.
 # Installing (make install; bench and test install on first use):
@@ -37,6 +41,8 @@ RUN_DIR ?= results
 # the run does not evaluate (spec_bench_mini: from Spec-Bench's file; evaluation.acceptance autotree.heldout).
 HELDOUT ?= 2
 EXPERIMENT ?=
+# make calibrate: batch sizes to calibrate besides 1 and the batch_size of ARGS (calibration.batch_sizes), e.g. "2 4 8"
+BATCH_SIZES ?=
 # make gpu-check: the device it checks, the folder its gpu_check.json and summary.md go to, and more arguments
 # of python -m evaluation.gpu_check (e.g. --budget-s 30).
 DEVICE ?= cuda
@@ -63,6 +69,8 @@ comma := ,
 space := $(subst ,, )
 # METHODS as a Hydra list of quoted entries, for evaluation.interleave: ["baseline","sam:aux=none,mode=auto"]
 METHOD_LIST = [$(subst $(space),$(comma),$(foreach m,$(METHODS),"$(m)"))]
+# An experiment that lists the methods it interleaves (`methods:`) runs through evaluation.interleave, else evaluation.run.
+EXPERIMENT_MODULE = $(if $(shell grep -qs '^methods:' conf/experiment/$(EXPERIMENT).yaml && echo yes),interleave,run)
 $(if $(filter-out interleaved sequential,$(SCHEDULE)),$(error SCHEDULE is interleaved or sequential, not '$(SCHEDULE)'))
 
 .PHONY: bench bench-loop calibrate train-eagle test gpu-check data install wheelhouse clean-venv
@@ -142,7 +150,7 @@ train-eagle: $(STAMP) data
 # entry's settings as written (SAM's policy statistics depend on aux_tree=auto: they score the fallback tree
 # chosen for this machine). Each step prints how long it will take.
 calibrate: $(STAMP) $(if $(filter spec_bench spec_bench_mini,$(DATA)),data)
-	$(PY) -m evaluation.calibrate model=$(MODEL) $(ARGS)
+	$(PY) -m evaluation.calibrate model=$(MODEL) $(if $(BATCH_SIZES),'calibration.batch_sizes=[$(subst $(space),$(comma),$(strip $(BATCH_SIZES)))]') $(ARGS)
 	@set -e; for m in $(AUTO_METHODS); do \
 		name=$${m%%:*}; opts=$$(echo "$${m#$$name}" | sed 's/^://' | tr ',' '\n' | sed 's/^/method./' | tr '\n' ' '); \
 		$(PY) -m evaluation.calibrate model=$(MODEL) method=$$name $$(echo $$opts | tr ' ' '\n' | grep -v '=auto$$') $(ARGS); \
@@ -154,7 +162,7 @@ bench: $(STAMP) $(if $(or $(EXPERIMENT),$(filter spec_bench spec_bench_mini,$(DA
 ifdef EXPERIMENT
 # A job that failed does not stop the sweep, nor the table of those that completed; make still fails after it,
 # and evaluation.status says which jobs are not done and the command that finishes them.
-	$(PY) -m evaluation.run -m +experiment=$(EXPERIMENT) run.dir=$(RUN_DIR)/$(EXPERIMENT) $(ARGS) || \
+	$(PY) -m evaluation.$(EXPERIMENT_MODULE) -m +experiment=$(EXPERIMENT) run.dir=$(RUN_DIR)/$(EXPERIMENT) $(ARGS) || \
 		{ sweep=$$?; $(PY) -m evaluation.speedup $(RUN_DIR)/$(EXPERIMENT); $(PY) -m evaluation.status $(RUN_DIR)/$(EXPERIMENT); exit $$sweep; }
 	$(PY) -m evaluation.speedup $(RUN_DIR)/$(EXPERIMENT)
 	$(PY) -m evaluation.report $(RUN_DIR)/$(EXPERIMENT)

@@ -133,6 +133,8 @@ def _collect(cfg: DictConfig, cls: type, param: str, candidate: object, verified
         else:
             run_cfg.method[param] = candidate
         run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs")
+        run_cfg.batch_size = 1  # statistics of one sequence at a time, whatever batch size they serve (online plans
+        # correct the acceptance of a batch's shared state as they run)
     result = _run(run_cfg)
     meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())
     records = [json.loads(line) for line in result.read_text().splitlines() if line.strip()]
@@ -189,6 +191,7 @@ def _collect_policy(cfg: DictConfig, cls: type, verified: object) -> Path:
         run_cfg.autotree.allow_overlap = True  # the plan verified with is not being evaluated here
         run_cfg.autotree.online = False
         run_cfg.run.dir = str(Path(cfg.autotree.dir) / "runs" / f"{cls.score_param}{cls.candidate_score}")
+        run_cfg.batch_size = 1  # as _collect
     result = _run(run_cfg)
     meta = json.loads(result.with_name(result.name.removesuffix(".jsonl") + ".meta.json").read_text())
     records = [json.loads(line) for line in result.read_text().splitlines() if line.strip()]

@@ -29,6 +29,10 @@ its baseline count):
   decode tokens/s and decode speedup: the same with (new tokens - 1) per turn and decode time
       (each turn's first token comes from the prefill forward); prefill ms = prefill time per turn
   MAT (mean accepted tokens) = mean of accept_lengths over all decode forwards (bonus included)
+  batch size B > 1 (batch_size=B, several questions at once): tokens/s above is per sequence (what a
+      user waits for); total tokens/s = all new tokens / the run's serving time (the batched engine's
+      own seconds from its first prefill to its last token, summed over the run's starts; at B = 1 the
+      sum of wall times), what the machine serves; a run is paired only with a baseline of its B
   several runs of a label: mean +/- sample std over runs; several baseline runs: the baseline
       value is the mean over its runs; N = questions compared (fewest over runs), Err = failed
       questions (summed over runs)
@@ -37,7 +41,8 @@ its baseline count):
       "‡" with its count; the jobs that are partial, failed or missing are named under the table
 baseline: by default the run(s) of method "baseline" with the same model, dtype, device, device name
 (GPU or CPU model), torch threads, torch and transformers versions, data, max_new_tokens, question
-ids and sampling settings (temperature, top_k, top_p, seed; a header without them decoded greedily).
+ids, sampling settings (temperature, top_k, top_p, seed; a header without them decoded greedily) and
+batch size (a header without it: 1).
 A run without such a baseline is refused, naming the keys that differ from the nearest one;
 --force compares with that nearest one. A key that an older run header lacks is unknown: it does not
 refuse the pair, and the row is marked "*" naming it. --baseline PATH names the
@@ -48,7 +53,7 @@ Spec-Bench answer files) have unknown provenance: they are compared only with a 
 # A speedup is only meaningful against a baseline measured on the same hardware and software.
 PROVENANCE_KEYS = ("model", "dtype", "device", "device_name", "torch_threads", "versions.torch",
                    "versions.transformers", "data", "max_new_tokens", "question_ids", "config.sampling.temperature",
-                   "config.sampling.top_k", "config.sampling.top_p", "config.sampling.seed")
+                   "config.sampling.top_k", "config.sampling.top_p", "config.sampling.seed", "batch_size")
 # The choice rule's settings (methods.sampling) and the values a header without them decoded with: greedy decoding,
 # under which the others do not matter.
 SAMPLING_DEFAULTS = {"config.sampling.temperature": 0.0, "config.sampling.top_k": 0, "config.sampling.top_p": 1.0,
@@ -62,7 +67,7 @@ NOT_CHECKED = "not checked (no .meta.json)"
 # Per question, summed over turns; NaN where the record is an error or a Spec-Bench file lacks the field.
 COLUMNS = ("category", "group", "error", "context_turns", "n_turns", "tokens", "wall_time", "decode_tokens", "decode_time",
            "prefill_time", "forward_time", "accept_sum", "accept_steps", "accept_lengths", "steps", "sources",
-           "plan_changes", "output_ids", "turns")
+           "plan_changes", "output_ids", "turns", "batch_slot", "batch_session", "batch_started", "batch_finished")
 
 # Spec-Bench's question.jsonl: 81-160 MT-bench (ten per category, in MT_BENCH order), then 80 per task.
 _SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -99,6 +104,16 @@ class Run:
     @property
     def index(self) -> int:
         return 0 if self.meta is None else int(self.meta.get("run", 0))
+
+    @property
+    def batch_size(self) -> int:
+        """Questions decoded at once (1 for a header without it, and for foreign files)."""
+        return int((self.meta or {}).get("batch_size", 1))
+
+    @property
+    def series(self) -> str:
+        """The label without its batch size (``-b4``): what one line of a plot against the batch size follows."""
+        return self.label.removesuffix(f"-b{self.batch_size}") if self.batch_size > 1 else self.label
 
     @property
     def setup(self) -> tuple[str, ...] | None:
@@ -208,6 +223,9 @@ def _question_row(rec: dict, categories: dict[int, str]) -> dict:
             raise KeyError("choices")
         return {**row, "error": _error_text(rec["error"])}
     choice = rec["choices"][0]
+    batch = rec.get("batch") or {}
+    row |= {"batch_slot": batch.get("slot"), "batch_session": batch.get("session"),
+            "batch_started": batch.get("started", math.nan), "batch_finished": batch.get("finished", math.nan)}
     ids = choice.get("output_ids")
     tokens = [len(turn) for turn in ids] if ids is not None else list(choice["new_tokens"])
     accepts = choice.get("accept_lengths")
@@ -316,6 +334,8 @@ def load_runs(paths: Sequence[str | Path], categories: dict[int, str] | None = N
 def _provenance_value(meta: dict, key: str) -> object:
     """The header's value at a dotted key (``versions.torch``); None where the header lacks it (the sampling keys:
     their greedy values, see SAMPLING_DEFAULTS)."""
+    if key == "batch_size":
+        return int(meta.get("batch_size", 1))
     if key in SAMPLING_DEFAULTS:
         sampling = (meta.get("config") or {}).get("sampling") or {}
         if not sampling.get("temperature"):
@@ -348,6 +368,20 @@ def provenance_diff(meta: dict, base: dict) -> list[str]:
 def unknown_provenance(meta: dict, base: dict) -> list[str]:
     """PROVENANCE_KEYS that either header lacks (written before draftbench recorded them)."""
     return [k for k in PROVENANCE_KEYS if _provenance_value(meta, k) is None or _provenance_value(base, k) is None]
+
+
+def batch1_references(comparisons: Sequence[Comparison]) -> dict[int, Run]:
+    """For every run of batch size > 1 (by ``id``): the reference run of a batch-1 baseline among ``comparisons`` whose
+    provenance is the same but for the batch size. What its every row must equal (evaluation.equal)."""
+    def key(meta: dict) -> tuple:
+        return tuple(_provenance_value(meta, k) for k in PROVENANCE_KEYS if k != "batch_size")
+
+    singles: dict[tuple, Run] = {}
+    for c in comparisons:
+        if c.is_reference and c.run is c.reference and c.run.batch_size == 1 and c.run.meta:
+            singles.setdefault(key(c.run.meta), c.run)
+    return {id(c.run): singles[key(c.run.meta)] for c in comparisons
+            if c.run.batch_size > 1 and c.run.meta and key(c.run.meta) in singles}
 
 
 def _checked(run: Run, baselines: Sequence[Run]) -> str:
@@ -464,6 +498,21 @@ def rates(frame: pd.DataFrame, ratio: str = "mean") -> dict[str, float]:
     }
 
 
+def serving_seconds(frame: pd.DataFrame) -> float:
+    """The time a run took to serve ``frame``'s questions: per batched start (``batch_session``), its engine's clock
+    from the first prefill to the last token, summed over starts; the sum of wall times where questions were
+    answered one at a time."""
+    batched = frame["batch_session"].notna()
+    spans = frame.loc[batched].groupby("batch_session").agg(start=("batch_started", "min"),
+                                                            end=("batch_finished", "max"))
+    return float((spans["end"] - spans["start"]).sum() + frame.loc[~batched, "wall_time"].sum())
+
+
+def total_rate(frame: pd.DataFrame) -> float:
+    """All new tokens of ``frame``'s questions over the time their run took to serve them (see DEFINITIONS)."""
+    return _div(float(frame["tokens"].sum()), serving_seconds(frame)) if len(frame) else math.nan
+
+
 def _group_ids(frame: pd.DataFrame) -> Iterable[tuple[str, pd.Index]]:
     for group in group_order():
         ids = frame.index if group == OVERALL else frame.index[frame["group"] == group]
@@ -483,9 +532,16 @@ def run_stats(comparison: Comparison, ratio: str = "mean") -> list[dict]:
         own = rates(run.frame.loc[qids], ratio)
         refs = [rates(base.frame.loc[qids], ratio) for base in comparison.baselines]
         ref = {key: sum(r[key] for r in refs) / len(refs) for key in own}
+        # what the machine serves: every question the run answered, over the run's serving time (Overall only:
+        # a group's questions were served among the others')
+        total = total_rate(run.frame.loc[run.ok_ids]) if group == OVERALL else math.nan
+        base_total = (sum(total_rate(b.frame.loc[b.ok_ids]) for b in comparison.baselines) / len(comparison.baselines)
+                      if group == OVERALL else math.nan)
         rows.append({
             **dict(zip(SETUP_KEYS, comparison.setup)), "platform": comparison.platform,
             "label": run.label, "method": run.method, "baseline": comparison.reference.label,
+            "series": run.series, "batch_size": run.batch_size, "total_tokens_per_s": total,
+            "baseline_total_tokens_per_s": base_total,
             "run": run.index, "group": group, "n_questions": len(qids),
             "n_errors": int(run.frame.loc[ids, "error"].notna().sum()),
             "n_context": int(run.frame.loc[qids, "context_turns"].fillna(0).sum()),
@@ -523,6 +579,9 @@ def summarize(comparisons: Sequence[Comparison], ratio: str = "mean") -> pd.Data
         n_context=("n_context", "max"), too_long=("too_long", "first"),
         **{m: (m, "mean") for m in METRICS}, **{f"{m}_std": (m, "std") for m in METRICS},
         baseline_tokens_per_s=("baseline_tokens_per_s", "mean"),
+        series=("series", "first"), batch_size=("batch_size", "first"),
+        total_tokens_per_s=("total_tokens_per_s", "mean"), total_tokens_per_s_std=("total_tokens_per_s", "std"),
+        baseline_total_tokens_per_s=("baseline_total_tokens_per_s", "mean"),
         provenance=("provenance", lambda p: "; ".join(dict.fromkeys(p))),
         reference=("reference", "all"), ratio=("ratio", "first"), in_turn=("in_turn", "all"),
         partial=("partial", lambda p: "; ".join(x for x in dict.fromkeys(p) if x)),
@@ -532,8 +591,38 @@ def summarize(comparisons: Sequence[Comparison], ratio: str = "mean") -> pd.Data
     table = table.sort_values([*SETUP_KEYS, "reference", "label", "_order"], ascending=[*[True] * 4, False, True, True])
     columns = [*keys, "n_runs", "n_questions", "n_errors", "n_context", "too_long",
                *(c for m in METRICS for c in (m, f"{m}_std")),
-               "baseline_tokens_per_s", "provenance", "reference", "ratio", "in_turn", "partial"]
+               "baseline_tokens_per_s", "series", "batch_size", "total_tokens_per_s", "total_tokens_per_s_std",
+               "baseline_total_tokens_per_s", "provenance", "reference", "ratio", "in_turn", "partial"]
     return table[columns].reset_index(drop=True)
+
+
+def batch_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Per setup, platform, method (its label without the batch size) and batch size, Overall: per-sequence tokens/s,
+    total tokens/s, the speedup against the baseline at the same batch size (per sequence, and total) and the total
+    tokens/s against the batch-1 baseline's where one is among the inputs. Empty unless a run's batch size is > 1."""
+    overall = table[table["group"] == OVERALL]
+    if not (overall["batch_size"] > 1).any():
+        return pd.DataFrame()
+    rows = []
+    for _, part in overall.groupby([*SETUP_KEYS, "platform"], sort=False, dropna=False):
+        single = part.loc[part["reference"] & (part["batch_size"] == 1), "total_tokens_per_s"]
+        batch1 = single.mean() if len(single) else math.nan
+        for _, row in part.iterrows():
+            rows.append({**{k: row[k] for k in (*SETUP_KEYS, "platform", "series", "batch_size", "reference",
+                                                 "n_runs", "n_questions", "mat", "tokens_per_s", "speedup",
+                                                 "total_tokens_per_s", "baseline_total_tokens_per_s")},
+                         "total_speedup": _div(row["total_tokens_per_s"], row["baseline_total_tokens_per_s"]),
+                         "vs_batch1": _div(row["total_tokens_per_s"], batch1)})
+    frame = pd.DataFrame(rows)
+    return frame.sort_values([*SETUP_KEYS, "platform", "reference", "series", "batch_size"],
+                             ascending=[*[True] * 5, False, True, True]).reset_index(drop=True)
+
+
+def measured_speedups(batch: pd.DataFrame) -> dict[tuple, dict[int, float]]:
+    """Per (setup..., platform, series) of a method: its speedup over the baseline at the same batch size, by batch
+    size (methods.costs.crossover says where it stops paying)."""
+    return {key: dict(zip(part["batch_size"].astype(int), part["speedup"]))
+            for key, part in batch[~batch["reference"]].groupby([*SETUP_KEYS, "platform", "series"], sort=False)}
 
 
 def per_question(comparisons: Sequence[Comparison]) -> pd.DataFrame:

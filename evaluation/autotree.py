@@ -3,9 +3,16 @@
 Reads the device calibration and the method's acceptance statistics (found and checked by
 :mod:`evaluation.store`) and hands the drafter a :class:`~methods.tree_search.TreePlan` (or a
 :class:`~methods.tree_search.PolicyPlan`); also the engine's block padding from the calibration.
+
+At ``batch_size=B`` > 1 both come from the calibration's step over B rows (a step costs T_B(q) and yields every
+row's tokens, so the same planner chooses per row with the B-row curve, and a drafter's own per-draft time counts
+B times: every row drafts), and need a calibration that holds B.
 """
 
 from __future__ import annotations
+
+from dataclasses import astuple
+from typing import Callable, TypeVar
 
 import torch
 from omegaconf import DictConfig
@@ -13,8 +20,11 @@ from omegaconf import DictConfig
 from evaluation import store
 from evaluation.store import AutoTreeError, drafter_class
 from methods import tree_search
+from methods.tree_search import DraftCost
 from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan
 from methods.engine import Padding
+
+T = TypeVar("T")
 
 
 def padding(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[Padding | None, dict]:
@@ -25,13 +35,28 @@ def padding(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> tuple[
         raise AutoTreeError(f"autotree.pad must be auto, true or false, got {mode!r}")
     if mode is False:
         return None, {"enabled": False}
+    batch = int(cfg.get("batch_size", 1))
     try:
         calibration, path = store.find_calibration(cfg, device, dtype)
+        padding = _at_batch(cfg, calibration, path, batch, calibration.padding_at)
     except AutoTreeError as err:
         if mode is True:
             raise AutoTreeError(f"autotree.pad=true: {err}") from err
-        return None, {"enabled": False, "why": "no calibration of this machine (python -m evaluation.calibrate)"}
-    return calibration.padding, {"enabled": True, "calibration": str(path), **calibration.padding.describe()}
+        why = "no calibration of this machine" + (f" at batch size {batch}" if batch > 1 else "")
+        return None, {"enabled": False, "why": f"{why} (python -m evaluation.calibrate)"}
+    facts = {"enabled": True, "calibration": str(path), **({"batch_size": batch} if batch > 1 else {})}
+    return padding, {**facts, **padding.describe()}
+
+
+def _at_batch(cfg: DictConfig, calibration: store.Calibration, path: object, batch: int,
+              get: Callable[[int], T]) -> T:
+    """``get(batch)`` of the calibration, or an AutoTreeError with the command that measures that batch size."""
+    if batch not in calibration.batch_sizes:
+        raise AutoTreeError(f"batch_size={batch}: calibration {path} holds batch sizes "
+                            f"{list(calibration.batch_sizes)}; "
+                            f"measure batch size {batch} with: {store.command('calibrate', cfg)} "
+                            f"calibration.batch_sizes=[{batch}] (the sizes it holds are kept)")
+    return get(batch)
 
 
 def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions: list[dict],
@@ -50,14 +75,19 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
     if not (tree_auto or policy_auto):
         return overrides
     calibration, calibration_path = store.find_calibration(cfg, device, dtype)
-    cost_at = lambda context, scale=None: calibration.at(context, padded, scale)  # noqa: E731
+    batch = int(cfg.get("batch_size", 1))
+    _at_batch(cfg, calibration, calibration_path, batch, calibration.curve_at)
+    cost_at = lambda context, scale=None: calibration.at(context, padded, scale, batch)  # noqa: E731
     if tree_auto:
         stats, stats_path = store.find_statistics(cfg, store.statistics_method(cfg.method), dtype_name, questions)
-        sources = {"calibration": str(calibration_path), "acceptance": str(stats_path), "padded": padded}
+        sources = {"calibration": str(calibration_path), "acceptance": str(stats_path), "padded": padded,
+                   **({"batch_size": batch} if batch > 1 else {})}
         draft = None
         if cls.drafting_cost:
             drafting, drafting_path = store.find_drafting(cfg, device, dtype)
             draft, sources["drafting"] = drafting.cost, str(drafting_path)
+            if batch > 1:  # every row drafts: B drafts per step
+                draft = lambda context: DraftCost(*(batch * v for v in astuple(drafting.cost(context))))  # noqa: E731
         if cfg.autotree.online and not cls.tree_owner:
             overrides[param] = AdaptiveTreePlan(stats.stats, cost_at, calibration.contexts, {**sources, "online": True},
                                                 draft)
@@ -66,7 +96,8 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
                                                 draft=draft)
     if policy_auto:
         stats, stats_path = store.find_statistics(cfg, cfg.method, dtype_name, questions, policy=True)
-        sources = {"calibration": str(calibration_path), "policy_statistics": str(stats_path), "padded": padded}
+        sources = {"calibration": str(calibration_path), "policy_statistics": str(stats_path), "padded": padded,
+                   **({"batch_size": batch} if batch > 1 else {})}
         aux_nodes = cls.aux_nodes(cfg.method, overrides)
         if cfg.autotree.online:
             overrides[policy] = AdaptivePolicyPlan(stats.counts, cost_at, calibration.contexts, aux_nodes, stats.score,

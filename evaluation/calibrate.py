@@ -24,6 +24,12 @@ and wide, and fits :class:`~methods.tree_search.DraftCost` to it (:class:`Drafti
 file beside the calibration, keyed by the machine and the method's settings): ``tree=auto`` adds it to
 the step time of every tree it weighs.
 
+``calibration.batch_sizes`` (default ``[1]``) adds, for every batch size B > 1 listed (and the run's own
+``batch_size``), the same measurement of a batched step (:meth:`methods.batch.BatchEngine.verify`) over B rows, each
+holding its own random prefix of the context length and verifying q tokens: ``tree=auto`` and SAM's ``mode=auto``
+plan with it at that batch size. A calibration that lacks a batch size asked for gets it measured and added (the
+sizes it holds are kept); its key lists the batch sizes it holds.
+
 The file is keyed by what speed depends on (:func:`evaluation.store.machine_key`): device name, model, dtype,
 torch threads, torch version, masked GQA and the calibration's format. It lives in ``autotree.dir`` (default
 ``results/calibration/``) with a plot of the step time over the single-token step time against q; rerunning with
@@ -49,6 +55,7 @@ from evaluation.build import build_drafter
 from evaluation.results import environment
 from evaluation.store import (Calibration, CalibrationError, DraftingCalibration, StoreError, calibration_path,
                               drafter_class, drafting_path, machine_key, method_key, stale, write_json)
+from methods.batch import BatchEngine
 from methods.costs import CostCurve
 from methods.drafter import Drafter, Step
 from methods.engine import Engine
@@ -61,18 +68,22 @@ BUSY = 0.05  # a reference step varying by more than this within its own repeats
 
 @dataclass
 class _Point:
-    """The state one context length is timed in: its KV cache holding the prefix, the root, and a draft per size."""
+    """The state one context length is timed in: its KV cache holding the prefix, the root, and a draft per size;
+    for a batch size above 1, a batched engine whose every row holds a prefix of its own, and a root and a draft
+    per row (``roots``, ``drafts[q][row]``)."""
 
     context: int
     cache: object
     root: int
     drafts: dict
+    batch: BatchEngine | None = None
+    roots: tuple[int, ...] = ()
 
 
-def _points(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence[int]) -> list[_Point]:
-    """Per context: a random prefix in a cache of its own, and per size a draft of the candidate tree's first ``q-1``
-    nodes whose deepest path (the last node's) is the model's greedy continuation, so that verifying it accepts
-    that path and moves it into place, as a run's steps do."""
+def _points(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence[int], batch: int = 1) -> list[_Point]:
+    """Per context: a random prefix in a cache of its own (per row of a batch), and per size a draft of the candidate
+    tree's first ``q-1`` nodes whose deepest path (the last node's) is the model's greedy continuation, so that
+    verifying it accepts that path and moves it into place, as a run's steps do."""
     candidate = load_template("wide")
     if max(sizes) - 1 > len(candidate):
         raise CalibrationError(f"calibration.sizes go up to {max(sizes)}, but the candidate tree has "
@@ -82,21 +93,33 @@ def _points(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
     depth = max((max(shape.depth_list) for shape in shapes.values()), default=0)
     points = []
     for context in contexts:
-        prefix = torch.randint(vocab, (context + 1,), generator=gen).tolist()
-        truth = engine.generate(prefix, Drafter(vocab), depth + 1).output_ids if depth else []
-        cache = engine.new_cache(context + max(sizes))
-        with torch.inference_mode():
-            engine.model(input_ids=torch.tensor([prefix[:context]], device=engine.device), use_cache=True,
-                         logits_to_keep=1, **{engine.cache_kw: cache})
-        cache.commit(context)
-        drafts = {1: None}
-        for q, shape in shapes.items():
-            tokens = torch.randint(vocab, (q - 1,), generator=gen)
-            path = shape.paths[-1]  # the last node's path: the deepest, usually not contiguous
-            for d, node in enumerate(path[1:]):
-                tokens[node - 1] = truth[d] if d < len(truth) else tokens[node - 1]
-            drafts[q] = Draft(tokens.to(engine.device), shape)
-        points.append(_Point(context, cache, prefix[context], drafts))
+        rows = BatchEngine(engine, batch) if batch > 1 else None
+        roots, drafts = [], {q: [] for q in sizes}
+        for row in range(batch):
+            prefix = torch.randint(vocab, (context + 1,), generator=gen).tolist()
+            truth = engine.generate(prefix, Drafter(vocab), depth + 1).output_ids if depth else []
+            if rows is None:
+                cache = engine.new_cache(context + max(sizes))
+                with torch.inference_mode():
+                    engine.model(input_ids=torch.tensor([prefix[:context]], device=engine.device), use_cache=True,
+                                 logits_to_keep=1, **{engine.cache_kw: cache})
+                cache.commit(context)
+            else:
+                rows.prefill(row, prefix[:context], Drafter(vocab), max_new_tokens=max(sizes))
+                rows.rewind(row, context, prefix[context])
+                cache = rows.cache
+            roots.append(prefix[context])
+            drafts[1].append(None)
+            for q, shape in shapes.items():
+                tokens = torch.randint(vocab, (q - 1,), generator=gen)
+                path = shape.paths[-1]  # the last node's path: the deepest, usually not contiguous
+                for d, node in enumerate(path[1:]):
+                    tokens[node - 1] = truth[d] if d < len(truth) else tokens[node - 1]
+                drafts[q].append(Draft(tokens.to(engine.device), shape))
+        if rows is None:
+            points.append(_Point(context, cache, roots[0], {q: d[0] for q, d in drafts.items()}))
+        else:
+            points.append(_Point(context, rows.cache, roots[0], drafts, rows, tuple(roots)))
     return points
 
 
@@ -105,10 +128,17 @@ def _time_step(engine: Engine, point: _Point, q: int) -> float:
     engine.sync()
     start = time.perf_counter()
     with torch.inference_mode():
-        engine.verify(point.root, point.context, point.drafts[q], point.cache)
+        if point.batch is None:
+            engine.verify(point.root, point.context, point.drafts[q], point.cache)
+        else:
+            point.batch.verify(dict(enumerate(point.drafts[q])))
     engine.sync()
     ms = 1000 * (time.perf_counter() - start)
-    point.cache.commit(point.context)
+    if point.batch is None:
+        point.cache.commit(point.context)
+    else:
+        for row, root in enumerate(point.roots):
+            point.batch.rewind(row, point.context, root)
     return ms
 
 
@@ -126,11 +156,12 @@ def _reference(engine: Engine, point: _Point, repeats: int = 5) -> list[float]:
 
 
 def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence[int], min_rounds: int,
-            budget_s: float, target: float, decision_ratio: float, progress: bool = True
+            budget_s: float, target: float, decision_ratio: float, progress: bool = True, batch: int = 1
             ) -> tuple[list[list[list[float]]], dict]:
-    """Every repeat (ms) of ``engine.verify`` for every (context, q), and the drift check; see the module."""
+    """Every repeat (ms) of ``engine.verify`` (over ``batch`` rows: the batched engine's) for every (context, q), and
+    the drift check; see the module."""
     started = time.perf_counter()
-    points = _points(engine, vocab, sizes, contexts)
+    points = _points(engine, vocab, sizes, contexts, batch)
     samples: dict = {(c, q): [] for c in contexts for q in sizes}
     reference = points[len(points) // 2]
     drift = {"context": reference.context, "q": 1, "start": _reference(engine, reference)}
@@ -162,7 +193,8 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
     table = [[samples[c, q] for q in sizes] for c in contexts]
     if progress:
         for c, row in zip(contexts, table):
-            print(f"calibrate: context {c}: " + ", ".join(f"q={q} {statistics.median(t):.1f} ms ({len(t)}x)"
+            where = f"batch {batch}, context {c}" if batch > 1 else f"context {c}"
+            print(f"calibrate: {where}: " + ", ".join(f"q={q} {statistics.median(t):.1f} ms ({len(t)}x)"
                                                           for q, t in zip(sizes, row) if q in (1, 2, 4, 8, 16, 32, 128)),
                   file=sys.stderr)
     return table, drift | {"rounds": rounds, "seconds": round(time.perf_counter() - started, 1)}
@@ -285,7 +317,12 @@ def calibrate(cfg: DictConfig) -> Path:
     drafting = None
     if drafter_class(cfg.method).drafting_cost:
         drafting = drafting_path(directory, key, cfg.method.name, method_key(cfg.method))
-    steps = cfg.calibration.redo or stale(path, Calibration, key)
+    wanted = sorted({int(b) for b in cfg.calibration.batch_sizes} | {int(cfg.batch_size)})
+    if min(wanted) < 1:
+        raise CalibrationError(f"calibration.batch_sizes and batch_size must be at least 1, got {wanted}")
+    base = None if cfg.calibration.redo or stale(path, Calibration, key) else Calibration.load(path)
+    batches = [b for b in wanted if b > 1 and (base is None or b not in base.batch_sizes)]
+    steps = base is None or bool(batches)
     drafter = drafting is not None and (cfg.calibration.redo or stale(drafting, DraftingCalibration, key))
     for done in [p for p, todo in ((path, steps), (drafting, drafter)) if p is not None and not todo]:
         print(f"calibrate: reusing {done} (calibration.redo=true measures anew)", file=sys.stderr)
@@ -293,7 +330,7 @@ def calibrate(cfg: DictConfig) -> Path:
         return path
     loaded = models.load(cfg.model, device, dtype)
     if steps:
-        _calibrate_steps(cfg, loaded, key, path)
+        _calibrate_steps(cfg, loaded, key, path, base, batches)
     if drafter:
         _calibrate_drafting(cfg, loaded, key, drafting)
     return path
@@ -304,23 +341,38 @@ def _provenance(device: torch.device, started: float, **facts: object) -> dict:
             "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _calibrate_steps(cfg: DictConfig, loaded: models.LoadedModel, key: dict, path: Path) -> None:
+def _calibrate_steps(cfg: DictConfig, loaded: models.LoadedModel, key: dict, path: Path, base: Calibration | None,
+                     batches: Sequence[int]) -> None:
+    """Measure the single-sequence step (unless ``base`` holds it) and the batched step at ``batches``."""
     engine = Engine(loaded.model, loaded.eos_token_ids)
     c = cfg.calibration
-    limit = engine.max_length or max(c.contexts) + max(c.sizes)
-    contexts = sorted(x for x in c.contexts if x + max(c.sizes) <= limit)
-    if not contexts:
-        raise CalibrationError(f"every calibration.contexts entry leaves no room for q={max(c.sizes)} "
-                               f"within the model's {limit} positions; list shorter contexts")
-    sizes = sorted(set(c.sizes) | {1})
-    print(f"calibrate: {key} -> {path}; about {c.budget_s:.0f} s (calibration.budget_s)", file=sys.stderr)
+    if base is None:
+        limit = engine.max_length or max(c.contexts) + max(c.sizes)
+        contexts = sorted(x for x in c.contexts if x + max(c.sizes) <= limit)
+        if not contexts:
+            raise CalibrationError(f"every calibration.contexts entry leaves no room for q={max(c.sizes)} "
+                                   f"within the model's {limit} positions; list shorter contexts")
+        sizes = sorted(set(c.sizes) | {1})
+    else:  # a batch size added to a calibration: on its grid
+        contexts, sizes = list(base.contexts), list(base.sizes)
+    runs = ([] if base is not None else [1]) + list(batches)
+    print(f"calibrate: {key} -> {path}; batch sizes {runs}, about {c.budget_s:.0f} s each (calibration.budget_s)",
+          file=sys.stderr)
     started = time.time()
-    samples, drift = measure(engine, loaded.model.get_output_embeddings().weight.shape[0], sizes, contexts,
-                             c.min_rounds, c.budget_s, c.target, c.decision_ratio)
-    calibration = Calibration(key=key, contexts=tuple(contexts), sizes=tuple(sizes),
-                              samples_ms=tuple(tuple(tuple(p) for p in row) for row in samples), drift=drift,
-                              provenance=_provenance(engine.device, started, min_rounds=c.min_rounds,
-                                                     budget_s=c.budget_s, target=c.target))
+    vocab = loaded.model.get_output_embeddings().weight.shape[0]
+    measured = {b: measure(engine, vocab, sizes, contexts, c.min_rounds, c.budget_s, c.target, c.decision_ratio,
+                           batch=b) for b in runs}
+    nested = lambda table: tuple(tuple(tuple(p) for p in row) for row in table)  # noqa: E731
+    if base is None:
+        samples, drift = measured.pop(1)
+        provenance = _provenance(engine.device, started, min_rounds=c.min_rounds, budget_s=c.budget_s, target=c.target)
+        held = {}
+    else:
+        samples, drift, provenance, held = base.samples_ms, base.drift, base.provenance, dict(base.batches)
+    added = {b: {"samples_ms": nested(t), "drift": d | {"measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
+             for b, (t, d) in measured.items()}
+    calibration = Calibration(key=key, contexts=tuple(contexts), sizes=tuple(sizes), samples_ms=nested(samples),
+                              drift=drift, provenance=provenance, batches=held | added)
     write_json(path, calibration.to_json())
     plot(calibration, path.with_suffix(".png"))
     print(f"calibrate: {calibration.summary()}; wrote {path} and {path.with_suffix('.png').name}", file=sys.stderr)

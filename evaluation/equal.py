@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from evaluation.analysis import (CHECKED, Comparison, ResultError, Run, add_input_arguments, comparisons_from_args,
-                                 setup_name)
+from evaluation.analysis import (CHECKED, Comparison, ResultError, Run, add_input_arguments, batch1_references,
+                                 comparisons_from_args, setup_name)
 
 Decoder = Callable[[Sequence], str]
 TOKEN_WINDOW, CHAR_WINDOW = 8, 40
@@ -27,7 +27,9 @@ Spec-Bench answer files). The reference is the baseline's lowest-numbered run; i
 checked against it too. Reports the identical answers, and for each mismatch the question, the turn,
 the first divergent token and the decoded text around it; questions missing from either file
 (including ids the run header lists but the file lacks) and failed questions are reported, never
-skipped silently. Exit status: 1 with --strict when anything differs, is missing or failed, or when
+skipped silently. A run of batch size B > 1 (its baseline's too) is compared with the batch-1
+baseline's reference run where one of the same setup is among the inputs: every row must equal
+batch-1 decoding. Exit status: 1 with --strict when anything differs, is missing or failed, or when
 there is no run to check; 2 when the inputs cannot be read or compared."""
 
 
@@ -143,10 +145,16 @@ def compare(run: Run, reference: Run, decode: Decoder, decode_reference: Decoder
 
 def check(comparisons: Sequence[Comparison], decoder_factory: Callable[[dict | None], Decoder] = tokenizer_decoder
           ) -> list[tuple[Comparison, EqualityReport]]:
-    """A report for every run that is not its own reference."""
-    return [(c, compare(c.run, c.reference, decoder_factory(c.run.meta), decoder_factory(c.reference.meta),
-                        c.provenance))
-            for c in comparisons if c.run is not c.reference]
+    """A report for every run that is not its own reference; a batched run against the batch-1 baseline where there
+    is one (analysis.batch1_references)."""
+    singles = batch1_references(comparisons)
+    pairs = []
+    for c in comparisons:
+        reference = singles.get(id(c.run), c.reference)
+        if c.run is not reference:
+            pairs.append((c, compare(c.run, reference, decoder_factory(c.run.meta), decoder_factory(reference.meta),
+                                     c.provenance)))
+    return pairs
 
 
 def format_report(report: EqualityReport, setup: str) -> str:

@@ -10,6 +10,11 @@ rotates with the question (question i starts with method i mod n), so no method 
 same one. One model is loaded and shared; each method keeps its own drafter, hot-start state and
 result file, the same file ``python -m evaluation.run`` writes (its header adds ``interleaved_with``),
 so the analysis reads them alike, and rerunning the same command resumes every method where it stopped.
+
+With ``batch_size=B`` > 1 every method serves its questions B at a time with its own batched engine (continuous
+batching, docs/batching.md), and the turn is a step: each method makes one batched step in turn, the order
+rotating every round. A batched engine's clock counts its own work only (its prefills and steps), so each method's
+times are what it would take alone, and a drift in the machine's speed hits every method alike, step by step.
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ def interleave(configs: list[DictConfig], command: Sequence[str] = ()) -> list[P
                       interleaved_with=tuple(run_label(c) for c in configs if c is not cfg), command=command)
             stack.callback(job.close)
             jobs.append(job)
+        if jobs[0].batch is not None:
+            _in_steps(jobs, configs[0].run.progress)
+            return [job.path for job in jobs]
         pending = [{q["question_id"] for q in job.todo} for job in jobs]
         progress = tqdm(questions, desc="interleaved", unit="q", disable=not configs[0].run.progress, file=sys.stderr)
         for i, question in enumerate(progress):
@@ -83,6 +91,23 @@ def interleave(configs: list[DictConfig], command: Sequence[str] = ()) -> list[P
                 if question["question_id"] in pending[j]:
                     jobs[j].answer(question)
     return [job.path for job in jobs]
+
+
+def _in_steps(jobs: list[Job], progress: bool) -> None:
+    """Batched jobs: one step of each in turn, the order rotating every round, until every job has served its
+    questions."""
+    with tqdm(total=sum(len(job.todo) for job in jobs), desc="interleaved", unit="q", disable=not progress,
+              file=sys.stderr) as bar:
+        for job in jobs:
+            job.on_record = lambda record: bar.update()
+        serving = {j: job.serve(job.todo) for j, job in enumerate(jobs)}
+        turn = 0
+        while serving:
+            live = list(serving)
+            for j in [*live[turn % len(live):], *live[: turn % len(live)]]:
+                if next(serving[j], None) is None:
+                    del serving[j]
+            turn += 1
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="interleave")

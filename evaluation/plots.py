@@ -1,4 +1,5 @@
-"""Plots of a benchmark: speedup per category group, MAT vs speedup, accepted lengths, acceptance by depth/rank.
+"""Plots of a benchmark: speedup per category group, MAT vs speedup, accepted lengths, acceptance by depth/rank, speedup
+against the batch size.
 
     python -m evaluation.plots [PATH ...] [--out DIR]
 
@@ -22,7 +23,7 @@ from matplotlib.figure import Figure
 
 from evaluation import steps
 from evaluation.analysis import (OVERALL, RATIOS, SETUP_KEYS, Comparison, ResultError, add_input_arguments,
-                                 comparisons_from_args, default_out_dir, setup_name, summarize)
+                                 batch_table, comparisons_from_args, default_out_dir, setup_name, summarize)
 from evaluation.categories import group_order
 
 
@@ -152,8 +153,32 @@ def acceptance_plot(accepted: pd.DataFrame, title: str = "") -> Figure:
 
 
 FORMATS = ("png", "svg")
+def batch_speedup(batch: pd.DataFrame, title: str = "") -> Figure:
+    """Against the batch size, one line per method: its speedup over the baseline at the same batch size (left) and
+    the tokens per second the machine serves (right, the baselines too). ``batch``: analysis.batch_table's rows."""
+    fig, (left, right) = _figure(10.0, 4.0, ncols=2)
+    colors = _colors(batch["series"])
+    for series, part in batch.groupby("series", sort=True):
+        part = part.sort_values("batch_size")
+        if not part["reference"].all():
+            left.plot(part["batch_size"], part["speedup"], marker="o", label=series, color=colors[series])
+        right.plot(part["batch_size"], part["total_tokens_per_s"], marker="o", label=series, color=colors[series],
+                   linestyle="--" if part["reference"].all() else "-")
+    left.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(set(batch["batch_size"])), [str(b) for b in sorted(set(batch["batch_size"]))])
+        ax.set_xlabel("batch size")
+        ax.legend(frameon=False, fontsize="small")
+    left.set_ylabel("speedup over the baseline at the same batch size")
+    right.set_ylabel("total tokens/s (all rows)")
+    _title(fig, title or "Speedup against the batch size")
+    return fig
+
+
 TITLES = {"speedup_by_group": "Speedup per category group", "mat_vs_speedup": "MAT vs speedup",
-          "accept_lengths": "Accepted length per step", "acceptance": "Acceptance by depth and rank"}
+          "accept_lengths": "Accepted length per step", "acceptance": "Acceptance by depth and rank",
+          "batch_speedup": "Speedup against the batch size"}
 
 
 def save(fig: Figure, out_dir: Path, name: str, formats: Sequence[str] = FORMATS) -> list[Path]:
@@ -179,6 +204,9 @@ def figures(table: pd.DataFrame, comparisons: Sequence[Comparison]) -> Iterator[
                 "accept_lengths": lambda title: accept_length_hist(mine, title)}
         if not accepted.empty:
             draw["acceptance"] = lambda title: acceptance_plot(accepted, title)
+        batch = batch_table(part)
+        if not batch.empty:
+            draw["batch_speedup"] = lambda title: batch_speedup(batch, title)
         for stem, plot in draw.items():
             title = f"{TITLES[stem]}\n{name}"
             yield stem + suffix, title, plot(title)

@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from evaluation import equal, plots, speedup, steps
 from evaluation.analysis import (CHECKED, RATIOS, UNKNOWN, Comparison, ResultError, Run, add_input_arguments,
-                                 comparisons_from_args, default_out_dir, rates, setup_name, summarize)
+                                 batch_table, comparisons_from_args, default_out_dir, rates, setup_name, summarize)
 from methods.paths import resolve_path
 
 FILES_DIR = "report_files"  # the PNGs of report.md, beside it
@@ -539,6 +539,8 @@ def build(comparisons: Sequence[Comparison], notes: Sequence[str], title: str, f
     pairs = equal.check(comparisons, decoder_factory)
     accepted = steps.acceptance(comparisons)
     cost = steps.cost_model(comparisons, calibration or resolve_path("results/calibration"))
+    batch = speedup.format_batch(batch_table(table), "md",
+                                 steps.batch_prediction(comparisons, calibration or resolve_path("results/calibration")))
     drafted = steps.sources(comparisons)
     setup = setups(comparisons)
     chosen, changes = plans(comparisons), plan_changes(comparisons)
@@ -559,6 +561,7 @@ def build(comparisons: Sequence[Comparison], notes: Sequence[str], title: str, f
         "`python -m evaluation.speedup --help`).",
         "## Setup", _setup_markdown(setup, foreign),
         "## Speedup", speedup.format_table(table, "md").strip(),
+        *(["## By batch size", batch.strip()] if batch else []),
         "## Equality", _equality_markdown(pairs),
         "## Acceptance by depth and rank", acceptance,
         "## Cost model", cost_text + ("\n\n" + plan_text if plan_text else ""),

@@ -13,6 +13,11 @@ abandoned, the file closed whole, and it exits with status 75 (or submitit reque
 whole leaves ``<result>.failed.json`` beside its file and, in a sweep (``-m``), the other jobs still run;
 ``python -m evaluation.status RUN_DIR`` says which jobs are done (docs/reliability.md).
 
+With ``batch_size=B`` > 1 the job answers B questions at once (:class:`methods.batch.BatchEngine`, continuous
+batching, docs/batching.md): each question is a session that asks for its turns one after another, its record is
+written when its last turn ends, and it records the row it ran in and its wall time (``batch``). The run's label and
+result file name the batch size (``recycling-paper-k8-hot-b4``).
+
 Under sampling (``sampling.temperature > 0``, docs/sampling.md) every turn's noise is keyed by the seed, the
 question id and the turn (:func:`generation_key`), not drawn from a stream: a question's answer is the same
 whichever method, order or resumption produced it. The run's label and result file then name the sampling
@@ -30,7 +35,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, Generator, Iterator, NoReturn
 
 import hydra
 import torch
@@ -45,8 +50,9 @@ from evaluation.build import build
 from evaluation.results import ResultFile, ResultLocked, environment, failure_path, write_failure
 from evaluation.signals import Stopped
 from evaluation.store import StoreError
+from methods.batch import BatchEngine, Request, run_batch
 from methods.drafter import Drafter, DrafterUnfit
-from methods.engine import Engine
+from methods.engine import Engine, Generation
 from methods.paths import resolve_path
 from methods.sampling import Sampling
 
@@ -61,12 +67,28 @@ def run_label(cfg: DictConfig) -> str:
     """The method's label, with the sampling settings when it samples (``-T0.7-p0.9``): a sampled run is another
     series than a greedy one of the same method, in its result file's name and in every table."""
     tag = Sampling.of(cfg.get("sampling")).tag()
-    return f"{cfg.method.label}-{tag}" if tag else str(cfg.method.label)
+    label = f"{cfg.method.label}-{tag}" if tag else str(cfg.method.label)
+    batch = int(cfg.get("batch_size", 1))
+    return f"{label}-b{batch}" if batch > 1 else label
 
 
 def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.LoadedModel, template: str,
            max_new_tokens: int) -> dict:
     """One question, turn by turn, as a Spec-Bench-compatible record (plus output_ids and timings)."""
+    session = turns(question, loaded.tokenizer, template, max_new_tokens)
+    request = next(session)
+    while True:
+        gen = engine.generate(request.prompt_ids, drafter, request.max_new_tokens, key=request.key)
+        try:
+            request = session.send(gen)
+        except StopIteration as done:
+            return done.value
+
+
+def turns(question: dict, tokenizer: object, template: str, max_new_tokens: int,
+          generations: list[Generation] | None = None) -> Generator[Request, Generation, dict]:
+    """One question as a session: it asks for its turns one by one (turn 2's prompt holds turn 1's answer) and
+    returns its Spec-Bench-compatible record's ``choices``; ``generations`` collects every turn's generation."""
     messages: list[dict[str, str]] = []
     turns: dict[str, list] = {k: [] for k in
                               ("turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths", "output_ids",
@@ -74,9 +96,11 @@ def answer(question: dict, engine: Engine, drafter: Drafter, loaded: models.Load
                                "block_sizes", "end")}
     for i, turn in enumerate(question["turns"]):
         messages.append({"role": "user", "content": turn})
-        prompt = models.prompt_ids(loaded.tokenizer, template, messages)
-        gen = engine.generate(prompt, drafter, max_new_tokens, key=generation_key(question["question_id"], i))
-        text = loaded.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        prompt = models.prompt_ids(tokenizer, template, messages)
+        gen = yield Request(prompt, max_new_tokens, generation_key(question["question_id"], i))
+        if generations is not None:
+            generations.append(gen)
+        text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
         turns["turns"].append(text)
         turns["new_tokens"].append(len(gen.output_ids))
@@ -115,6 +139,12 @@ class Job:
         self.n_questions = len(questions)
         built = build(cfg, questions, loaded)
         self.loaded, self.engine, self.drafter = built.loaded, built.engine, built.drafter
+        self.batch_size = int(cfg.batch_size)
+        # B > 1: the batched engine over the same model, choice rule, padding and stop tokens
+        self.batch = BatchEngine(self.engine, self.batch_size) if self.batch_size > 1 else None
+        self.serving = uuid.uuid4().hex[:12]  # names this start's batched serving in the records (batch.session)
+        self.in_flight: dict[object, bool] = {}  # batched: the questions being answered, and whether recorded
+        self.on_record: Callable[[dict], None] | None = None  # called after every record a batched serve writes
         device, dtype_name, padding_facts = built.device, built.dtype_name, built.padding
 
         config = OmegaConf.to_container(cfg, resolve=True)
@@ -128,6 +158,7 @@ class Job:
             "dtype": dtype_name,
             "device": device.type,
             "max_new_tokens": cfg.max_new_tokens,
+            "batch_size": self.batch_size,
             "question_ids": [q["question_id"] for q in questions],
             "run": cfg.run.id,
             "eos_token_ids": sorted(self.loaded.eos_token_ids),
@@ -166,7 +197,11 @@ class Job:
         limit = self.engine.max_length or float("inf")
         warm = next(((q, p) for q, p in firsts if len(p) < limit), None)  # the first question whose prompt fits
         for _ in range(cfg.warmup if self.todo and warm else 0):
-            self.engine.generate(warm[1], drafter, cfg.max_new_tokens, key=generation_key(warm[0]["question_id"], 0))
+            if self.batch is None:
+                self.engine.generate(warm[1], drafter, cfg.max_new_tokens, key=generation_key(warm[0]["question_id"], 0))
+            else:  # every row once, in one batch
+                request = Request(warm[1], cfg.max_new_tokens, generation_key(warm[0]["question_id"], 0))
+                run_batch(self.batch, (_ask(request) for _ in range(self.batch_size)), drafter)
         if self.results.records and drafter.state_dict():
             if self.state_path.exists():
                 drafter.load_state_dict(torch.load(self.state_path, map_location=device))
@@ -177,29 +212,74 @@ class Job:
 
     def answer(self, question: dict) -> dict:
         """Answer ``question``, write its record durably (an error record if it fails) and the hot-start state."""
-        cfg, drafter = self.cfg, self.drafter
-        record = {"question_id": question["question_id"], "category": question["category"],
-                  "answer_id": uuid.uuid4().hex,  # model_id names the temperature, as Spec-Bench's answer files do
-                  "model_id": f"{cfg.model.name}-temp-{float(self.engine.sampling.temperature)}"}
+        cfg = self.cfg
+        record = self._record(question)
         try:
             try:
-                record |= answer(question, self.engine, drafter, self.loaded, cfg.model.template, cfg.max_new_tokens)
+                record |= answer(question, self.engine, self.drafter, self.loaded, cfg.model.template,
+                                 cfg.max_new_tokens)
             except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
-                record["error"] = {"type": type(err).__name__, "message": str(err)}
-                tqdm.write(f"draftbench: {run_label(cfg)}: question {question['question_id']} failed: "
-                           f"{type(err).__name__}: {err}", file=sys.stderr)
-            record["tstamp"] = time.time()
-            with signals.critical():  # the record and the state it leaves are written together, or neither
-                self.results.append(record)
-                if drafter.state_dict():
-                    tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-                    torch.save(drafter.state_dict(), tmp)
-                    os.replace(tmp, self.state_path)
+                self._failed(record, err)
+            self._write(record)
         except Stopped as stop:  # abandoned before its record: the drafter's in-memory state is not saved either
             written = bool(self.results.records) and self.results.records[-1] is record
             stop.locate(self.path, question["question_id"], written, len(self.results.records), self.n_questions)
             raise
         return record
+
+    def serve(self, questions: list[dict]) -> Iterator[int]:
+        """Answer ``questions`` ``batch_size`` at a time (B > 1), writing each record when its question ends; a
+        generator that yields after every batched step (evaluation.interleave runs several jobs step by step)."""
+        try:
+            yield from self.batch.serve((self._session(q) for q in questions), self.drafter)
+        except Stopped as stop:  # the questions in flight are abandoned: nothing of them is written
+            abandoned = [str(q) for q, recorded in self.in_flight.items() if not recorded]
+            last = [str(q) for q, recorded in self.in_flight.items() if recorded][-1:]
+            stop.locate(self.path, ", ".join(abandoned or last) or "none", not abandoned, len(self.results.records),
+                        self.n_questions)
+            raise
+
+    def _session(self, question: dict) -> Generator[Request, Generation, None]:
+        """One question as the batched engine serves it: its turns, then its record (with its row and wall time)."""
+        cfg, qid = self.cfg, question["question_id"]
+        self.in_flight[qid] = False
+        record = self._record(question)
+        generations: list[Generation] = []
+        try:
+            record |= yield from turns(question, self.loaded.tokenizer, cfg.model.template, cfg.max_new_tokens,
+                                       generations)
+        except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
+            self._failed(record, err)
+        if generations:  # on the batched engine's clock: its own work, from the first prefill to the last token
+            first, last = generations[0], generations[-1]
+            record["batch"] = {"size": self.batch_size, "slot": first.slot, "session": self.serving,
+                               "started": first.started, "finished": last.finished,
+                               "wall_time": last.finished - first.started}
+        self._write(record)
+        self.in_flight[qid] = True
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def _record(self, question: dict) -> dict:
+        return {"question_id": question["question_id"], "category": question["category"],
+                "answer_id": uuid.uuid4().hex,  # model_id names the temperature, as Spec-Bench's answer files do
+                "model_id": f"{self.cfg.model.name}-temp-{float(self.engine.sampling.temperature)}"}
+
+    def _failed(self, record: dict, err: Exception) -> None:
+        record["error"] = {"type": type(err).__name__, "message": str(err)}
+        tqdm.write(f"draftbench: {run_label(self.cfg)}: question {record['question_id']} failed: "
+                   f"{type(err).__name__}: {err}", file=sys.stderr)
+
+    def _write(self, record: dict) -> None:
+        """Write ``record`` and the hot-start state it leaves, together or neither."""
+        drafter = self.drafter
+        record["tstamp"] = time.time()
+        with signals.critical():
+            self.results.append(record)
+            if drafter.state_dict():
+                tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+                torch.save(drafter.state_dict(), tmp)
+                os.replace(tmp, self.state_path)
 
     def close(self) -> None:
         """Release the result file and print the run's totals."""
@@ -231,7 +311,7 @@ def record_failure(cfg: DictConfig, err: BaseException, command: Sequence[str]) 
     """Write the failure marker of ``cfg``'s job beside its result file; None where the config cannot name it."""
     try:
         path = planned_path(cfg)
-        job = {"model": cfg.model.name, "data": cfg.data.name, "label": cfg.method.label, "run": cfg.run.id,
+        job = {"model": cfg.model.name, "data": cfg.data.name, "label": run_label(cfg), "run": cfg.run.id,
                "command": list(command)}
     except Exception:  # noqa: BLE001 -- the config itself is broken: the error says so without a marker
         return None
@@ -248,6 +328,13 @@ def run(cfg: DictConfig, command: Sequence[str] = ()) -> Path:
     with signals.stop_on_signals():
         job = Job(cfg, questions, command=command)
         try:
+            if job.batch is not None:
+                with tqdm(total=len(job.todo), desc=run_label(cfg), unit="q", disable=not cfg.run.progress,
+                          file=sys.stderr) as bar:
+                    job.on_record = lambda record: bar.update()
+                    for _ in job.serve(job.todo):
+                        pass
+                return job.path
             tokens = seconds = 0.0
             bar = tqdm(job.todo, desc=run_label(cfg), unit="q", disable=not cfg.run.progress, file=sys.stderr)
             for question in bar:
@@ -261,6 +348,11 @@ def run(cfg: DictConfig, command: Sequence[str] = ()) -> Path:
     return job.path
 
 
+def _ask(request: Request) -> Generator[Request, Generation, None]:
+    """A session of one request whose answer is not kept (a warm-up)."""
+    yield request
+
+
 def _summary(records: list[dict], path: Path) -> None:
     done = [r["choices"][0] for r in records if "choices" in r]
     errors = len(records) - len(done)
@@ -268,8 +360,14 @@ def _summary(records: list[dict], path: Path) -> None:
     seconds = sum(sum(c["wall_time"]) for c in done)
     steps = [a for c in done for a in c["accept_lengths"]]
     mat = sum(steps) / len(steps) if steps else float("nan")
+    spans: dict[str, list[float]] = {}  # batched: per start, its engine's clock at its first prefill and last token
+    for batch in (r["batch"] for r in records if "batch" in r):
+        span = spans.setdefault(batch["session"], [batch["started"], batch["finished"]])
+        span[:] = [min(span[0], batch["started"]), max(span[1], batch["finished"])]
+    served = f", {tokens / max(sum(b - a for a, b in spans.values()), 1e-9):.1f} tok/s in all" if spans else ""
     print(f"draftbench: {len(done)} questions, {errors} errors, {tokens:.0f} tokens in {seconds:.1f} s "
-          f"({tokens / max(seconds, 1e-9):.1f} tok/s), MAT {mat:.2f} -> {path}", file=sys.stderr)
+          f"({tokens / max(seconds, 1e-9):.1f} tok/s{' per sequence' if spans else ''}{served}), MAT {mat:.2f} -> "
+          f"{path}", file=sys.stderr)
 
 
 # Errors whose message says what to do: a single run prints it alone, without a traceback.

@@ -19,7 +19,9 @@ import pandas as pd
 
 from evaluation import status, steps
 from evaluation.analysis import (CHECKED, DEFINITIONS, OVERALL, RATIOS, SETUP_KEYS, ResultError, add_input_arguments,
-                                 comparisons_from_args, default_out_dir, setup_name, summarize)
+                                 batch_table, comparisons_from_args, default_out_dir, measured_speedups, setup_name,
+                                 summarize)
+from methods.costs import describe_crossover
 from methods.paths import resolve_path
 
 # Displayed columns: (header, table column, decimals); a column with a "<name>_std" shows mean ± std.
@@ -230,6 +232,34 @@ def source_columns(frame: pd.DataFrame) -> tuple:
             *((source, source, PERCENT) for source in frame.columns if source not in fixed))
 
 
+BATCH_COLUMNS = (
+    ("Method", "series", None), ("B", "batch_size", 0), ("Runs", "n_runs", 0), ("N", "n_questions", 0),
+    ("MAT", "mat", 2), ("Seq tok/s", "tokens_per_s", 1), ("Total tok/s", "total_tokens_per_s", 1),
+    ("Speedup", "speedup", 2), ("Total speedup", "total_speedup", 2), ("vs B=1", "vs_batch1", 2),
+)
+BATCH_TEXT = ("by batch size B (Overall; B > 1: B questions at once, continuous batching): Seq tok/s = mean per-question "
+              "tokens/s (what a user waits for); Total tok/s = all new tokens / the run's serving time (what the "
+              "machine serves); Speedup = per sequence, against the baseline at the same B (whether speculation pays "
+              "there); Total speedup = Total tok/s against that baseline's; vs B=1 = Total tok/s against the batch-1 "
+              "baseline's (n/a without one among the inputs)")
+
+
+def format_batch(batch: pd.DataFrame, style: str = "text", predicted: pd.DataFrame | None = None) -> str:
+    """The table by batch size with, per method, where it stops paying: measured (its speedups at the batch sizes
+    run) and, given ``predicted`` (evaluation.steps.batch_prediction), predicted by the cost model."""
+    if batch.empty:
+        return ""
+    lines = [f"measured: {key[-1]}: {describe_crossover(speedups)}"
+             for key, speedups in measured_speedups(batch).items()]
+    for _, row in (predicted if predicted is not None else pd.DataFrame()).iterrows():
+        at = ", ".join(f"B={b} {v:.2f}" for b, v in sorted(row["predicted"].items()))
+        lines.append(f"predicted (calibration x its steps at B={row['from_batch_size']}, the forward's cost only): "
+                     f"{row['series']}: {row['text']} ({at})")
+    table = simple_table(batch, BATCH_COLUMNS, "Speedup by batch size", style)
+    bullet = "- " if style == "md" else ""
+    return table + BATCH_TEXT + "".join(f"\n{bullet}{line}" for line in lines) + "\n"
+
+
 def format_steps(accepted: pd.DataFrame, cost: pd.DataFrame, style: str = "text",
                  drafted: pd.DataFrame | None = None) -> str:
     """The acceptance, cost-model and draft-sources tables (empty for result files without per-step records)."""
@@ -247,20 +277,22 @@ def format_steps(accepted: pd.DataFrame, cost: pd.DataFrame, style: str = "text"
 
 def write_outputs(table: pd.DataFrame, out_dir: Path, accepted: pd.DataFrame | None = None,
                   cost: pd.DataFrame | None = None, drafted: pd.DataFrame | None = None,
-                  pending: Sequence[str] = ()) -> list[Path]:
-    """speedup.md, speedup.csv and speedup.tex under ``out_dir`` (+ acceptance.csv, cost_model.csv, sources.csv);
-    ``pending``: the lines naming the jobs not done, under the Markdown table."""
+                  pending: Sequence[str] = (), predicted: pd.DataFrame | None = None) -> list[Path]:
+    """speedup.md, speedup.csv and speedup.tex under ``out_dir`` (+ acceptance.csv, cost_model.csv, sources.csv,
+    batch.csv); ``pending``: the lines naming the jobs not done, under the Markdown table."""
     out_dir.mkdir(parents=True, exist_ok=True)
     accepted = pd.DataFrame() if accepted is None else accepted
     cost = pd.DataFrame() if cost is None else cost
     drafted = pd.DataFrame() if drafted is None else drafted
     paths = [out_dir / f"speedup.{ext}" for ext in ("md", "csv", "tex")]
-    extra = format_steps(accepted, cost, "md", drafted)
+    batch = batch_table(table)
+    extra = "\n".join(part for part in (format_batch(batch, "md", predicted),
+                                       format_steps(accepted, cost, "md", drafted)) if part)
     unfinished = "\n".join(["", pending[0], "", *(f"- {line.strip()}" for line in pending[1:]), ""]) if pending else ""
     paths[0].write_text(format_table(table, "md") + unfinished + ("\n" + extra if extra else ""), encoding="utf-8")
     table.to_csv(paths[1], index=False)
     paths[2].write_text(format_table(table, "tex"), encoding="utf-8")
-    for name, frame in (("acceptance", accepted), ("cost_model", cost), ("sources", drafted)):
+    for name, frame in (("acceptance", accepted), ("cost_model", cost), ("sources", drafted), ("batch", batch)):
         if not frame.empty:
             paths.append(out_dir / f"{name}.csv")
             frame.to_csv(paths[-1], index=False)
@@ -293,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     accepted = steps.acceptance(comparisons)
     cost = steps.cost_model(comparisons, resolve_path(args.calibration))
     drafted = steps.sources(comparisons)
+    predicted = steps.batch_prediction(comparisons, resolve_path(args.calibration))
     pending = status.not_done([resolve_path(p) for p in args.paths if resolve_path(p).is_dir()])
     if args.json:
         print(json.dumps(records(table), indent=1))
@@ -301,9 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_table(table), end="")
         print("\n".join(["", *pending, ""]) if pending else "", end="")
-        extra = format_steps(accepted, cost, drafted=drafted)
+        extra = "\n".join(part for part in (format_batch(batch_table(table), predicted=predicted),
+                                           format_steps(accepted, cost, drafted=drafted)) if part)
         print("\n" + extra if extra else "", end="")
-    paths = write_outputs(table, args.out or default_out_dir(args.paths), accepted, cost, drafted, pending)
+    paths = write_outputs(table, args.out or default_out_dir(args.paths), accepted, cost, drafted, pending, predicted)
     print(f"speedup: wrote {', '.join(map(str, paths))}", file=sys.stderr)
     return 0
 

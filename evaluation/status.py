@@ -231,6 +231,8 @@ class SweepManifest(Callback):
         from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
+        from evaluation.run import run_label
+
         if config.hydra.job.config_name != "config" or not str(config.hydra.sweeper.get("_target_")).endswith(
                 "BasicSweeper"):
             return  # evaluation.run's sweeps, expanded by Hydra's basic sweeper
@@ -246,7 +248,7 @@ class SweepManifest(Callback):
             run_dir = resolve_path(cfg.run.dir).resolve()
             by_dir.setdefault(run_dir, []).append({
                 "overrides": list(overrides), "run_dir": str(run_dir), "model": cfg.model.name,
-                "data": cfg.data.name, "label": cfg.method.label, "run": cfg.run.id})
+                "data": cfg.data.name, "label": run_label(cfg), "run": cfg.run.id})
         launcher = [o for o in config.hydra.overrides.hydra if not o.startswith("hydra.mode=")]  # -m says it
         for run_dir, jobs in by_dir.items():
             manifest = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

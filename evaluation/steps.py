@@ -23,6 +23,7 @@ import pandas as pd
 from evaluation.analysis import OVERALL, SETUP_KEYS, Comparison
 from evaluation.categories import group_order
 from evaluation.store import Calibration, calibration_for_run
+from methods.costs import CostCurve, crossover, describe_crossover
 
 MAX_DEPTH = 8
 MAX_RANK = 8
@@ -81,21 +82,24 @@ def sources(comparisons: Sequence[Comparison]) -> pd.DataFrame:
     return table[fixed + order].fillna(0.0)  # a source a drafter never used: 0% of its steps
 
 
-def _plan_prediction(plan: dict, steps: list, calibration: Calibration) -> tuple[float, float]:
-    """Predicted MAT and decode tokens/s of a plan (a tree plan or a per-step policy) at the steps' context lengths."""
+def _plan_prediction(plan: dict, steps: list, calibration: Calibration, batch: int = 1) -> tuple[float, float]:
+    """Predicted MAT and decode tokens/s of a plan (a tree plan or a per-step policy) at the steps' context lengths
+    (``batch``: the batch size the plan was made for, whose calibrated step it weighed)."""
     buckets = plan["buckets"]
     bounds = [b["below"] for b in buckets[:-1]]
-    step = calibration.padded_seconds if plan.get("sources", {}).get("padded") else calibration.seconds
+    padded = bool(plan.get("sources", {}).get("padded"))
+    single = calibration.curve_at(batch).seconds
     tokens = seconds = 0.0
     for context, _, _ in steps:
         b = buckets[sum(context >= bound for bound in bounds)]
         tokens += b["expected_tokens"]
         if "by_class" in b:  # a per-step policy: its mean step, scaled from its context like a single token's
-            seconds += b["step_ms"] / 1000 * calibration.seconds(1, context) / calibration.seconds(1, b["context"])
+            seconds += b["step_ms"] / 1000 * single(1, context) / single(1, b["context"])
             continue
         rate = b.get("draft_rate", 1.0 if b["nodes"] else 0.0)
         drafting = b.get("draft_ms", 0.0) / 1000  # the drafter's own time, where the plan weighed it
-        seconds += rate * (step(b["nodes"] + 1, context) + drafting) + (1 - rate) * calibration.seconds(1, context)
+        step = calibration.at(context, padded, batch=batch).seconds(b["nodes"] + 1)
+        seconds += rate * (step + drafting) + (1 - rate) * single(1, context)
     return tokens / len(steps), tokens / seconds
 
 
@@ -117,13 +121,16 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
                "calibrated_decode_tokens_per_s": math.nan, "predicted_mat": math.nan,
                "predicted_decode_tokens_per_s": math.nan}
         calibration = calibration_for_run(c.run.meta, calibration_dir)
-        if calibration is not None:
+        batch = c.run.batch_size
+        if calibration is not None and batch in calibration.batch_sizes:  # a batched run: the step over its rows
+            curve = calibration.curve_at(batch)
             row["calibrated_decode_tokens_per_s"] = decode_tokens / sum(
-                calibration.seconds(size, context) for context, size, _ in steps)
+                curve.seconds(size, context) for context, size, _ in steps)
             drafter = (c.run.meta or {}).get("drafter") or {}
             plan = drafter.get("plan") or drafter.get("policy")
             if plan:
-                row["predicted_mat"], row["predicted_decode_tokens_per_s"] = _plan_prediction(plan, steps, calibration)
+                row["predicted_mat"], row["predicted_decode_tokens_per_s"] = _plan_prediction(plan, steps, calibration,
+                                                                                              batch)
         rows.append(row)
     table = pd.DataFrame(rows)
     if table.empty:
@@ -134,6 +141,41 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
                                        "predicted_mat", "predicted_decode_tokens_per_s", "outside_forward",
                                        "plan_changes")
     }).reset_index()
+
+
+def predicted_speedup(steps: Sequence[tuple[int, int, list[int]]], curve: CostCurve) -> float:
+    """The speedup over the baseline that a step cost ``curve`` predicts for a run's steps (context, tokens fed,
+    accepted ranks): its tokens per calibrated second over one token per calibrated single-token step at the same
+    contexts. The forward's cost only: the drafter's and the engine's own time per step are left out."""
+    tokens = sum(1 + len(ranks) for _, _, ranks in steps)
+    seconds = sum(curve.seconds(fed, context) for context, fed, _ in steps)
+    single = sum(curve.seconds(1, context) for context, _, _ in steps)
+    return tokens / seconds * single / len(steps)
+
+
+def batch_prediction(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.DataFrame:
+    """Per method (its label without the batch size): the speedup over the baseline at every batch size the run's
+    calibration holds, predicted from the steps of its run at the smallest batch size (the trees it verified and
+    what they accepted: a tree=auto plan chooses per batch size, so this is the tree it chose there) and the
+    calibrated step over B rows (:func:`predicted_speedup`), and the batch size above which it is predicted to lose
+    (methods.costs.crossover). Empty where no calibration holds more than one batch size."""
+    chosen: dict[tuple, Comparison] = {}
+    for c in comparisons:
+        key = (*c.setup, c.platform, c.run.series)
+        if not c.is_reference and (key not in chosen or c.run.batch_size < chosen[key].run.batch_size):
+            chosen[key] = c
+    rows = []
+    for key, c in chosen.items():
+        found = _steps(c)
+        calibration = calibration_for_run(c.run.meta, calibration_dir)
+        if not found or calibration is None or len(calibration.batch_sizes) < 2:
+            continue
+        speedups = {b: predicted_speedup(found, calibration.curve_at(b)) for b in calibration.batch_sizes}
+        pays, loses = crossover(speedups)
+        rows.append({**dict(zip([*SETUP_KEYS, "platform", "series"], key)), "from_batch_size": c.run.batch_size,
+                     "predicted": speedups, "pays_up_to": pays, "loses_from": loses,
+                     "text": describe_crossover(speedups)})
+    return pd.DataFrame(rows)
 
 
 OFF = 0.10  # a run this far from its plan's prediction gets a warning

@@ -4,7 +4,8 @@ Three kinds live in ``autotree.dir`` (default ``results/calibration/``):
 
 * a **calibration** (``calibration-*.json``, :class:`Calibration`): this machine's time of a verification step over
   ``q`` tokens at several context lengths, keyed by what speed depends on (:func:`machine_key`), measured by
-  ``python -m evaluation.calibrate``;
+  ``python -m evaluation.calibrate``; and of a batched step over B rows of ``q`` tokens for the batch sizes it holds
+  (``key.batch_sizes``; 1 alone by default);
 * a **drafting calibration** (``drafting-*.json``, :class:`DraftingCalibration`): a drafter's own time per draft
   (EAGLE's head), keyed by the machine and the method's settings;
 * **acceptance statistics** (``acceptance-*.json``, :class:`Acceptance`; ``policy-*.json``, :class:`PolicyStats`):
@@ -24,7 +25,7 @@ import hashlib
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterable
@@ -82,7 +83,11 @@ def calibration_path(directory: Path, key: dict) -> Path:
 @dataclass(frozen=True)
 class Calibration:
     """This machine's step times: every repeat (ms) per context length and block size q, and what the machine's
-    own drift during the measurement was. Its :attr:`curve` is the fitted cost with bootstrap replicates."""
+    own drift during the measurement was. Its :attr:`curve` is the fitted cost with bootstrap replicates.
+
+    ``batches`` holds the same for a batched step over B rows of q tokens each (B > 1, the same contexts and sizes):
+    ``{B: {"samples_ms": ..., "drift": ...}}``; :meth:`curve_at`, :meth:`padding_at` and :meth:`at` serve a batch
+    size."""
 
     key: dict
     contexts: tuple[int, ...]
@@ -90,10 +95,38 @@ class Calibration:
     samples_ms: tuple[tuple[tuple[float, ...], ...], ...]  # [context][size][repeat]
     drift: dict  # a reference point timed at the start, the middle and the end (evaluation.calibrate)
     provenance: dict
+    batches: dict = field(default_factory=dict)  # B > 1 -> {"samples_ms": [context][size][repeat], "drift": {...}}
 
     @cached_property
     def curve(self) -> CostCurve:
         return CostCurve.from_samples(self.contexts, self.sizes, self.samples_ms)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return (1, *sorted(self.batches))
+
+    def curve_at(self, batch: int) -> CostCurve:
+        """The step cost over ``batch`` rows (1: :attr:`curve`); CalibrationError where it was not measured."""
+        if batch == 1:
+            return self.curve
+        if batch not in self.batches:
+            raise CalibrationError(f"the calibration holds batch sizes {list(self.batch_sizes)}, not {batch}; "
+                                   f"measure it with python -m evaluation.calibrate calibration.batch_sizes=[{batch}] "
+                                   "(the sizes it holds are kept)")
+        cached = self.__dict__.setdefault("_curves", {})
+        if batch not in cached:
+            cached[batch] = CostCurve.from_samples(self.contexts, self.sizes, self.batches[batch]["samples_ms"])
+        return cached[batch]
+
+    def padding_at(self, batch: int) -> Padding:
+        """:attr:`padding` for a batched step over ``batch`` rows."""
+        if batch == 1:
+            return self.padding
+        cached = self.__dict__.setdefault("_paddings", {})
+        if batch not in cached:
+            curve = self.curve_at(batch)
+            cached[batch] = Padding(bounds=bounds(self.contexts), sizes=tuple(curve.pad_table(c) for c in self.contexts))
+        return cached[batch]
 
     def seconds(self, q: int, context: int) -> float:
         """Predicted time of a step over ``q`` tokens at a context length (the fitted curve)."""
@@ -109,10 +142,14 @@ class Calibration:
         """Predicted time of a step over ``q`` tokens fed as :attr:`padding` says."""
         return self.seconds(self.padding.size(q, context), context)
 
-    def at(self, context: int, padded: bool, scale: Callable[[int], float] | None = None) -> ContextCost:
+    def at(self, context: int, padded: bool, scale: Callable[[int], float] | None = None,
+           batch: int = 1) -> ContextCost:
         """The step cost a plan bucket at ``context`` is chosen with (blocks padded as the engine will pad them),
-        scaled per fed size by ``scale`` (a run's own correction)."""
-        return self.curve.at(context, self.padding.table(context) if padded else None, scale)
+        scaled per fed size by ``scale`` (a run's own correction); ``batch``: of a step over that many rows, which
+        yields that many rows' tokens, so that the same planner chooses per row with it."""
+        if batch == 1:
+            return self.curve.at(context, self.padding.table(context) if padded else None, scale)
+        return self.curve_at(batch).at(context, self.padding_at(batch).table(context) if padded else None, scale)
 
     def summary(self) -> str:
         """The calibration's precision and drift in one line."""
@@ -123,20 +160,29 @@ class Calibration:
                 f"+/-{100 * precision['widest_half_interval']:.1f}% (context {precision['widest_at']['context']})")
         if self.drift:
             line += f"; {self.drift['verdict']}"
+        if self.batches:
+            line += f"; batch sizes {list(self.batch_sizes)}"
         return line
 
     def to_json(self) -> dict:
-        return {"key": self.key, "contexts": list(self.contexts), "sizes": list(self.sizes),
-                "samples_ms": [[list(p) for p in row] for row in self.samples_ms], "drift": self.drift,
-                "precision": self.curve.describe(), "provenance": self.provenance}
+        body = {"key": {**self.key, "batch_sizes": list(self.batch_sizes)}, "contexts": list(self.contexts),
+                "sizes": list(self.sizes), "samples_ms": [[list(p) for p in row] for row in self.samples_ms],
+                "drift": self.drift, "precision": self.curve.describe(), "provenance": self.provenance}
+        if self.batches:
+            body["batches"] = {str(b): {"samples_ms": [[list(p) for p in row] for row in v["samples_ms"]],
+                                        "drift": v.get("drift", {}), "precision": self.curve_at(b).describe()}
+                               for b, v in sorted(self.batches.items())}
+        return body
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
         try:
             raw = json.loads(path.read_text())
+            batches = {int(b): {"samples_ms": tuple(tuple(tuple(p) for p in row) for row in v["samples_ms"]),
+                                "drift": v.get("drift", {})} for b, v in raw.get("batches", {}).items()}
             return cls(key=raw["key"], contexts=tuple(raw["contexts"]), sizes=tuple(raw["sizes"]),
                        samples_ms=tuple(tuple(tuple(p) for p in row) for row in raw["samples_ms"]),
-                       drift=raw.get("drift", {}), provenance=raw.get("provenance", {}))
+                       drift=raw.get("drift", {}), provenance=raw.get("provenance", {}), batches=batches)
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CalibrationError(f"{path}: not a readable calibration file of this draftbench ({err}); delete it "
                                    "and rerun python -m evaluation.calibrate") from err

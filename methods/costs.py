@@ -20,7 +20,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -188,3 +188,23 @@ def exact(seconds: Callable[[int], float]) -> Callable[[int], np.ndarray]:
 def bounds(contexts: Sequence[int]) -> tuple[int, ...]:
     """Context buckets around calibrated contexts: each ends halfway (geometrically) to the next."""
     return tuple(math.isqrt(a * b) for a, b in zip(contexts, contexts[1:]))
+
+
+def crossover(speedups: Mapping[int, float]) -> tuple[int | None, int | None]:
+    """From a method's speedups over the baseline at the same batch size, by batch size: the largest batch size up to
+    which it pays at every one (>= 1.0), and the first at which it loses (< 1.0); None where there is none. The
+    batch size above which speculation stops paying is the first value (where the second is not None)."""
+    last = None
+    for batch in sorted(speedups):
+        if speedups[batch] < 1.0:
+            return last, batch
+        last = batch
+    return last, None
+
+
+def describe_crossover(speedups: Mapping[int, float]) -> str:
+    """:func:`crossover` in words."""
+    pays, loses = crossover(speedups)
+    if loses is None:
+        return f"pays at every batch size up to {pays}"
+    return f"loses already at batch size {loses}" if pays is None else f"pays up to batch size {pays}, loses from {loses}"

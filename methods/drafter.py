@@ -7,6 +7,7 @@ every method is verified by the same code and compared like for like.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -48,7 +49,8 @@ class Drafter:
 
     * ``begin`` and ``reset`` at the start of every generation (each turn); hot-start state survives it by choice;
     * ``propose`` returns a draft, or ``None`` to verify the root alone;
-    * ``observe`` sees every verification step.
+    * ``observe`` sees every verification step;
+    * ``shared`` names the state the rows of a batch share (``fork`` makes a drafter for another row).
     """
 
     #: ask the engine for logits at every prompt position in ``reset`` (costs a full-width lm_head)
@@ -130,6 +132,17 @@ class Drafter:
     def describe(self) -> dict:
         """Facts about the drafter worth printing and recording with a run (e.g. memory used)."""
         return {}
+
+    def fork(self) -> Drafter:
+        """A drafter for another row of a batch (:mod:`methods.batch`): the same settings and its own per-generation
+        state, but the very objects :meth:`shared` names, not copies of them. Made after ``attach``."""
+        return copy.deepcopy(self, {id(obj): obj for obj in self.shared()})
+
+    def shared(self) -> list[object]:
+        """What every row of a batch shares rather than copies: hot-start state that all rows read and update (in
+        slot order after every step: :mod:`methods.batch`), a plan that corrects itself from every row's steps, and
+        what is large and read-only (a model's modules, a corpus). None by default: each row starts from a copy."""
+        return []
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """State that outlives a question (hot start), saved with the results so a resumed run continues it."""

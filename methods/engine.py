@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 from methods.drafter import Drafter, Step
 from methods.kv import SlabCache
 from methods.sampling import Sampling
-from methods.tree import Draft, TreeShape, chain
+from methods.tree import Draft, ShapeBuffers, TreeShape, chain
 
 
 def cache_keyword(forward) -> str:
@@ -86,6 +86,35 @@ def padded(shape: TreeShape, extra: int) -> TreeShape:
                      extra_visible=shape.extra_visible + ((),) * extra)
 
 
+def accept(shape: TreeShape, buf: ShapeBuffers, block: torch.Tensor, pred: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule, on the device: a node is correct when its token is the rule's choice (``pred``) at its
+    parent; it is accepted when it and all its ancestors are correct. The deepest accepted node wins, the first in
+    BFS order on ties. Returns that node ([1]: a 1-element index reads no host) and the block indices of its path
+    ([max depth + 1], padded with the node itself). Shared by the engine's step and the batched one."""
+    n1 = shape.n_nodes
+    correct = torch.ones(n1, dtype=torch.bool, device=block.device)
+    correct[1:] = block[1:n1] == pred[buf.parents]
+    accepted = ~(buf.ancestors & ~correct).any(-1)  # [n1]
+    best = torch.where(accepted, buf.depths[:n1], -1).argmax().view(1)
+    return best, buf.paths.index_select(0, best)[0]
+
+
+def picked_size(shape: TreeShape) -> int:
+    """The values a step reads back per sequence: the accepted node, its path's tokens and the bonus token."""
+    return max(shape.depth_list[: shape.n_nodes]) + 3
+
+
+def read_path(shape: TreeShape, buf: ShapeBuffers, picked: list[int]) -> tuple[int, torch.Tensor, list[int], list[int]]:
+    """What the host read of a step (``[best, path tokens, bonus]``, :func:`picked_size` values) says: the accepted
+    node, its path's block indices on the device ([L], root first), the sibling ranks of the accepted draft nodes,
+    and the tokens emitted (the accepted nodes' and the bonus: L of them)."""
+    best = picked[0]
+    length = shape.depth_list[best] + 1  # root + accepted nodes
+    ranks = [shape.sibling_ranks[i] for i in shape.paths[best][1:]]
+    return best, buf.paths[best, :length], ranks, picked[2 : 1 + length] + [picked[-1]]
+
+
 class PromptTooLong(ValueError):
     """The prompt alone fills the model's context: no room for an answer."""
 
@@ -103,6 +132,11 @@ class Generation:
     forward_time: float | None = None  # seconds of decode_time inside the model forward (when timed)
     drafter_stats: dict = field(default_factory=dict)  # Drafter.finish(): the drafter's own counters
     end: str = ""  # why the answer ended: "stop" (a stop token), "budget" (max_new_tokens) or "context" (the model's)
+    # batched (methods.batch): the row it was decoded in, and its batch engine's clock (seconds of the engine's own
+    # work) at its prefill's start and at its last token; None from Engine.generate
+    slot: int | None = None
+    started: float | None = None
+    finished: float | None = None
 
     @property
     def wall_time(self) -> float:
@@ -246,7 +280,7 @@ class Engine:
         if root is not None:
             self._root.fill_(root)
         block = self._root.clone() if draft is None else torch.cat([self._root, draft.tokens])  # [size]
-        size, n1 = shape.size, shape.n_nodes
+        size = shape.size
         fed, fed_block = shape, block
         extra = self.fed_size(size, position) - size
         if extra:
@@ -277,18 +311,11 @@ class Engine:
         # the rule's token after every block token: row i predicts position + depth_i + 1
         pred = self.sampling.choose(logits, self._key, position + 1, buf.depths, max(shape.depth_list) + 1)  # [size]
 
-        # A node is correct when its token is the rule's choice at its parent; it is accepted when it and all
-        # its ancestors are correct. The deepest accepted node wins, the first in BFS order on ties.
-        correct = torch.ones(n1, dtype=torch.bool, device=self.device)
-        correct[1:] = block[1:n1] == pred[buf.parents]
-        accepted = ~(buf.ancestors & ~correct).any(-1)  # [n1]
-        best = torch.where(accepted, buf.depths[:n1], -1).argmax().view(1)  # [1]: a 1-element index reads no host
-        path_ids = buf.paths.index_select(0, best)[0]  # [max depth + 1], padded with the node itself
+        best, path_ids = accept(shape, buf, block, pred)
         self._root.copy_(pred.index_select(0, best))  # the bonus token: the next step's root, on the device
         picked = torch.cat([best, block.index_select(0, path_ids), self._root]).tolist()  # the one host sync
-        best_i = picked[0]
-        length = shape.depth_list[best_i] + 1  # root + accepted nodes
-        path = buf.paths[best_i, :length]
+        best_i, path, ranks, emitted = read_path(shape, buf, picked)
+        length = len(emitted)  # root + accepted nodes
         if shape.paths[best_i][-1] == length - 1:  # the accepted nodes already follow the root
             cache.commit(position + length)
         else:
@@ -300,8 +327,8 @@ class Engine:
             logits=logits,
             predictions=pred,
             accepted=path,
-            path_ranks=[shape.sibling_ranks[i] for i in shape.paths[best_i][1:]],
-            emitted=picked[2 : 1 + length] + [picked[-1]],
+            path_ranks=ranks,
+            emitted=emitted,
             hidden_states=self._hidden(out, hidden_layers, size),
             fed=fed.size,
         )

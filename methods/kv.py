@@ -20,8 +20,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 class _Slab:
     """The one tensor behind every layer, allocated on the first layer's first update, grown when a block needs it."""
 
-    def __init__(self, layers: int, capacity: int):
-        self.layers, self.capacity = layers, capacity
+    def __init__(self, layers: int, capacity: int, batch: int = 1):
+        self.layers, self.capacity, self.batch = layers, capacity, batch
         self.data: torch.Tensor | None = None  # [layers, 2, batch, heads, capacity, head_dim]
         self.length = 0  # positions held (the same for every layer between forwards)
 
@@ -99,3 +99,60 @@ class SlabCache(Cache):
         data = self.slab.data
         data[:, :, :, :, position:end] = data.index_select(4, position + path)
         self.slab.length = end
+
+
+class BatchLayer(SlabLayer):
+    """One model layer's view of a batch slab: a forward over the first ``n`` rows writes and reads those rows."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, start = key_states.shape[0], self.slab.length
+        end = start + key_states.shape[-2]
+        own = self.slab.ensure(key_states[:1].expand(self.slab.batch, -1, -1, -1), end)[self.index]
+        own[0, :rows, :, start:end] = key_states
+        own[1, :rows, :, start:end] = value_states
+        self.keys, self.values = own[0, :rows, :, :end], own[1, :rows, :, :end]
+        return self.keys, self.values
+
+
+class _RowSlab(_Slab):
+    """Row ``row`` of a batch slab as a slab of one row: a prefill writes its prompt's entries in place."""
+
+    def __init__(self, parent: _Slab, row: int):
+        super().__init__(parent.layers, parent.capacity, 1)
+        self.parent, self.row = parent, row
+
+    def ensure(self, like: torch.Tensor, end: int) -> torch.Tensor:
+        data = self.parent.ensure(like[:1].expand(self.parent.batch, -1, -1, -1), end)
+        return data[:, :, self.row : self.row + 1]
+
+
+class BatchCache(SlabCache):
+    """The KV cache of a batch (methods.batch): one slab ``[layers, 2, batch, kv heads, capacity, head dim]``.
+
+    Every row's valid entries are left-aligned, ``[0, L_b)``. A step writes every row's block at the same columns
+    ``[C, C + q)`` with ``C = max L_b`` (the engine masks row b's columns ``[L_b, C)``), then :meth:`move` puts each
+    row's accepted entries after its own prefix, all rows and layers in one gather and one scatter.
+    """
+
+    def __init__(self, layers: int, batch: int, capacity: int = 0):
+        self.slab = _Slab(layers, capacity, batch)
+        Cache.__init__(self, layers=[BatchLayer(self.slab, i) for i in range(layers)])
+
+    def reserve(self, capacity: int) -> None:
+        """Room for ``capacity`` positions in every row from the next allocation or growth on."""
+        self.slab.capacity = max(self.slab.capacity, capacity)
+
+    def row(self, index: int) -> SlabCache:
+        """Row ``index`` as an empty one-row cache, for a prefill of that row alone (written in place)."""
+        view = SlabCache.__new__(SlabCache)
+        view.slab = _RowSlab(self.slab, index)
+        Cache.__init__(view, layers=[SlabLayer(view.slab, i) for i in range(self.slab.layers)])
+        return view
+
+    def move(self, rows: torch.Tensor, to: torch.Tensor, source: torch.Tensor) -> None:
+        """Entry ``source[i]`` of row ``rows[i]`` to column ``to[i]`` of the same row, for every layer ([N] each)."""
+        data = self.slab.data
+        data[:, :, rows, :, to] = data[:, :, rows, :, source]

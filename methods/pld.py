@@ -113,5 +113,8 @@ class PromptLookup(Drafter):
     def finish(self) -> dict:
         return self.plan.report()
 
+    def shared(self) -> list[object]:
+        return [self.plan]  # one plan for every row of a batch (it corrects itself from all their steps)
+
     def describe(self) -> dict:
         return {} if self.fixed else {"plan": self.plan.describe()}

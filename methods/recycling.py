@@ -148,6 +148,11 @@ class TokenRecycling(Drafter):
         beaten = (same & (priority[None, :] > priority[:, None])).any(-1)  # [n]
         self.matrix[torch.where(beaten, self.vocab_size, tokens)] = top
 
+    def shared(self) -> list[object]:
+        """The matrix is the hot-start state every row of a batch reads and writes (rows observe in slot order); the
+        plan and the built trees are the same for every row."""
+        return [self.matrix, self.plan, self._trees]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"matrix": self.matrix} if self.start == "hot" else {}
 

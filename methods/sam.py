@@ -410,6 +410,11 @@ class SamDecoding(Drafter):
             facts["aux"] = self.aux.describe()
         return facts
 
+    def shared(self) -> list[object]:
+        """The corpus automaton (read-only), the policy and the fallback's hot-start state are the batch's; the
+        context's automaton, the match and the counters are each row's own."""
+        return [self.static, self.policy, *(self.aux.shared() if self.aux is not None else [])]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"aux.{k}": v for k, v in self.aux.state_dict().items()} if self.aux is not None else {}
 

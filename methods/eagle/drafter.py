@@ -290,6 +290,11 @@ class Eagle(Drafter):
     def finish(self) -> dict:
         return self.plan.report() if self.plan is not None else {}
 
+    def shared(self) -> list[object]:
+        """The target and the head are read-only, the plan the batch's; the head's KV cache is each row's own."""
+        return [self._target, self.head, getattr(self, "embed", None), getattr(self, "vocab_rows", None),
+                getattr(self, "vocab_ids", None), self.plan, self._templates]
+
     def _children(self, logp: torch.Tensor, k: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A dynamic tree's ``k`` children per node: their scores (log-probs; under ``draft=coupled`` the drawn
         first child's is 0, so that it is scored as its parent) and indices, [r, k] each."""
