@@ -57,7 +57,7 @@ from methods.tree import Draft
 
 # The test files that hold tests marked ``device`` (tests/test_gpu_check.py checks that the list is whole).
 DEVICE_TESTS = ("tests/test_engine.py", "tests/test_host_syncs.py", "tests/test_recycling.py", "tests/test_pld.py",
-                "tests/test_lookahead.py", "tests/test_sam.py", "tests/test_eagle.py")
+                "tests/test_lookahead.py", "tests/test_sam.py", "tests/test_eagle.py", "tests/test_batch.py")
 STEPS = {"versions": "1. Versions and device", "lossless": "2. Lossless on the device",
          "host_syncs": "3. Host syncs per step", "costs": "4. Costs on a random-weight Llama",
          "end_to_end": "5. End to end"}
