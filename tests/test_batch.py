@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from conftest import DEVICE, VOCAB, tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen3
+from test_engine import RandomTrees
 from evaluation.host_syncs import HostSyncs
 from methods.batch import BatchEngine, BatchUnsupported, Request, run_batch
 from methods.costs import CostCurve
@@ -21,7 +21,6 @@ from methods.pld import PromptLookup
 from methods.recycling import TokenRecycling
 from methods.sam import SamDecoding
 from methods.sampling import Sampling
-from methods.tree import Draft, TreeShape
 from methods.tree_search import NodeStats
 
 pytestmark = pytest.mark.device  # every model and draft on conftest.DEVICE
@@ -71,15 +70,14 @@ def batched(engine: BatchEngine, qs, drafter: Drafter) -> list[list[list[int]]]:
     return outs
 
 
-class KeyedRandomTrees(Drafter):
-    """Random trees each step, each node the true continuation with probability ``hit``, knowing every request's
-    batch-1 output by its key (a row learns its own in ``begin``): deep, branching, non-contiguous accepted paths in
-    every row, rows of different tree sizes in one step."""
+class KeyedRandomTrees(RandomTrees):
+    """test_engine's random trees (each node the true continuation with probability ``hit``), knowing every
+    request's batch-1 output by its key (a row learns its own in ``begin``): deep, branching, non-contiguous accepted
+    paths in every row, rows of different tree sizes in one step."""
 
     def __init__(self, references: dict[int, list[int]], seed: int, hit: float = 0.6, extras: bool = True):
-        super().__init__(VOCAB, DEVICE)
-        self.references, self.seed, self.hit, self.extras = references, seed, hit, extras
-        self.rng = random.Random(seed)
+        super().__init__([], 0, seed, hit, extras)
+        self.references, self.seed = references, seed
 
     def shared(self):
         return [self.references]
@@ -90,25 +88,6 @@ class KeyedRandomTrees(Drafter):
 
     def reset(self, prompt, prefill_logits, prefill_hidden=None):
         self.prompt_len = len(prompt)
-
-    def propose(self, ids):
-        done = len(ids) - self.prompt_len
-        n = self.rng.randrange(0, 12)
-        parents, tokens, depth = [], [], [0]
-        for i in range(1, n + 1):
-            p = self.rng.randrange(0, i)
-            parents.append(p)
-            depth.append(depth[p] + 1)
-            at = done + depth[i] - 1
-            truth = self.reference[at] if at < len(self.reference) else 0
-            tokens.append(truth if self.rng.random() < self.hit else self.rng.randrange(VOCAB))
-        m = self.rng.randrange(0, 4) if self.extras else 0
-        size = n + 1 + m
-        extra_depths = tuple(self.rng.randrange(1, 5) for _ in range(m))
-        extra_visible = tuple(tuple(sorted(self.rng.sample(range(size), self.rng.randrange(0, size)))) for _ in range(m))
-        tokens += [self.rng.randrange(VOCAB) for _ in range(m)]
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=DEVICE),
-                     TreeShape(tuple(parents), extra_depths, extra_visible))
 
 
 def references(engine: Engine, qs) -> dict[int, list[int]]:
