@@ -194,7 +194,7 @@ def measure(engine: Engine, vocab: int, sizes: Sequence[int], contexts: Sequence
     if progress:
         for c, row in zip(contexts, table):
             where = f"batch {batch}, context {c}" if batch > 1 else f"context {c}"
-            print(f"calibrate: {where}: " + ", ".join(f"q={q} {statistics.median(t):.1f} ms ({len(t)}x)"
+            print(f"calibrate: {where}: " + ", ".join(f"q={q} {statistics.mean(t):.1f} ms ({len(t)}x)"
                                                           for q, t in zip(sizes, row) if q in (1, 2, 4, 8, 16, 32, 128)),
                   file=sys.stderr)
     return table, drift | {"rounds": rounds, "seconds": round(time.perf_counter() - started, 1)}
@@ -271,7 +271,7 @@ def measure_drafting(engine: Engine, build: Callable[[list[list[int]]], Drafter]
         for paths in trees:
             timed = _Timed(build(paths), engine)
             engine.generate(prompt, timed, 2 * steps + 2)  # a step emits at least one token
-            row.append(statistics.median(timed.ms[1 : steps + 1] or timed.ms))
+            row.append(statistics.mean(timed.ms[1 : steps + 1] or timed.ms))
         print(f"calibrate: drafting at context {context}: " + ", ".join(f"{t:.1f}" for t in row) + " ms",
               file=sys.stderr)
         rows.append(row)
@@ -290,8 +290,8 @@ def plot(calibration: Calibration, path: Path) -> None:
     curve = calibration.curve
     low, high = np.quantile(curve.replicates, [0.05, 0.95], axis=0)
     for i, (context, row) in enumerate(zip(calibration.contexts, calibration.samples_ms)):
-        medians = [statistics.median(point) for point in row]
-        line, = ax.plot(calibration.sizes, [t / medians[0] for t in medians], marker=".", label=f"context {context}")
+        means = [statistics.mean(point) for point in row]
+        line, = ax.plot(calibration.sizes, [t / means[0] for t in means], marker=".", label=f"context {context}")
         fit = curve.fitted[i]
         ax.plot(calibration.sizes, fit / fit[0], linestyle="--", color=line.get_color(), alpha=0.6)
         ax.fill_between(calibration.sizes, low[i] / fit[0], high[i] / fit[0], color=line.get_color(), alpha=0.15)

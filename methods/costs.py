@@ -1,7 +1,7 @@
 """The cost of a verification step on this machine, with its uncertainty: what plans are chosen with.
 
 A device calibration times a step over ``q`` tokens at a few context lengths, several times each. Planning on the
-medians alone chases noise: a size that happened to measure 10% fast becomes the padding target and decides the
+means alone chases noise: a size that happened to measure 10% fast becomes the padding target and decides the
 tree, and the plan then predicts the luck (the winner's curse). So a :class:`CostCurve` keeps, besides the fitted
 times, ``B`` bootstrap replicates of the whole fitted curve (every point's repeats resampled, then fitted the same
 way). Any quantity derived from the curve (a tree's tokens per second, a padding's gain, a speedup) has a
@@ -79,20 +79,22 @@ class CostCurve:
     @classmethod
     def from_samples(cls, contexts: Sequence[int], sizes: Sequence[int], samples: Sequence[Sequence[Sequence[float]]],
                      replicates: int = REPLICATES, seed: int = 0) -> CostCurve:
-        """From every point's repeated times (``samples[context][size]``, ms; at least one each)."""
+        """From every point's repeated times (``samples[context][size]``, ms; at least one each). A point is the
+        *mean* of its repeats: a run's speed is its steps' mean time, and a step's time has a right tail (the
+        median of the same repeats was a few percent faster than the runs here)."""
         rng = np.random.default_rng(seed)
-        medians = np.array([[np.median(point) for point in row] for row in samples])  # [C, S]
-        boot = np.empty((replicates, *medians.shape))
+        means = np.array([[np.mean(point) for point in row] for row in samples])  # [C, S]
+        boot = np.empty((replicates, *means.shape))
         for c, row in enumerate(samples):
             for s, point in enumerate(row):
                 point = np.asarray(point, dtype=float)
-                boot[:, c, s] = np.median(point[rng.integers(0, len(point), (replicates, len(point)))], axis=1)
-        return cls(tuple(contexts), tuple(sizes), cls._fit(contexts, medians), cls._fit(contexts, boot))
+                boot[:, c, s] = np.mean(point[rng.integers(0, len(point), (replicates, len(point)))], axis=1)
+        return cls(tuple(contexts), tuple(sizes), cls._fit(contexts, means), cls._fit(contexts, boot))
 
     @staticmethod
-    def _fit(contexts: Sequence[int], medians: np.ndarray) -> np.ndarray:
+    def _fit(contexts: Sequence[int], points: np.ndarray) -> np.ndarray:
         """Smoothed over the context per size, then non-decreasing in the context (axis -2)."""
-        smoothed = np.einsum("ij,...jk->...ik", smoother(contexts), medians)
+        smoothed = np.einsum("ij,...jk->...ik", smoother(contexts), points)
         return np.swapaxes(isotonic(np.swapaxes(smoothed, -1, -2)), -1, -2)
 
     def _at(self, table: np.ndarray, q: float, context: float) -> np.ndarray:
@@ -125,7 +127,7 @@ class CostCurve:
     def pad_table(self, context: float, confidence: float = CONFIDENCE) -> tuple[int, ...]:
         """At a context: ``table[q]``, the measured size >= q to feed ``q`` tokens as. A larger size is chosen when
         its fitted time is at least ``PAD_GAIN`` below q's *and* it is faster in ``confidence`` of the replicates
-        (one lucky point is not enough; 0 trusts the medians alone); the fastest such size, the smaller on a tie. A
+        (one lucky point is not enough; 0 trusts the means alone); the fastest such size, the smaller on a tie. A
         single token is never padded."""
         table = [0, 1]
         own = {s: (self.seconds(s, context), self.replicate_seconds(s, context)) for s in self.sizes}

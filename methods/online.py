@@ -82,7 +82,7 @@ class AdaptiveTreePlan:
 
     def __init__(self, stats: NodeStats, cost_at: CostAt, contexts: Sequence[int], sources: dict | None = None,
                  draft: Callable[[int], DraftCost] | None = None, every: int = 32, prior_steps: float = 32.0,
-                 hysteresis: float = 0.02, probe: tuple[int, int] = (4, 64)):
+                 hysteresis: float = 0.02, probe: tuple[int, int] = (2, 128)):
         self.stats, self.cost_at, self.contexts, self.draft = stats, cost_at, tuple(contexts), draft
         self.every, self.prior, self.hysteresis, self.probe = every, prior_steps, hysteresis, probe
         self.initial = self.plan = plan(stats, lambda c: cost_at(c, None), contexts, sources=sources, draft=draft)
