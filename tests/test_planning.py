@@ -23,7 +23,7 @@ def step_ms(q: int, context: int) -> float:
     return (60 + 2 * (q - 1)) * (1 + 0.1 * (context == 512))
 
 
-def noisy_curve(lucky: int | None = None, spread: float = 0.15, repeats: int = 5, step=step_ms) -> CostCurve:
+def noisy_curve(lucky: int | None = None, spread: float = 0.2, repeats: int = 5, step=step_ms) -> CostCurve:
     """Every point timed ``repeats`` times within +/- ``spread``; the ``lucky`` size's repeats all came out 10% low
     (its median too), as one lucky point of a real calibration does."""
     rng = random.Random(0)
@@ -31,7 +31,7 @@ def noisy_curve(lucky: int | None = None, spread: float = 0.15, repeats: int = 5
     for c in CONTEXTS:
         row = []
         for q in SIZES:
-            luck = 0.88 if q == lucky else 1.0
+            luck = 0.88 if q == lucky else 1.0  # 12% fast: as far below its neighbours as the trees differ
             row.append([step(q, c) * luck * (1 + rng.uniform(-spread, spread)) for _ in range(repeats)])
         samples.append(row)
     return CostCurve.from_samples(CONTEXTS, SIZES, samples)
@@ -45,9 +45,8 @@ PROBS = {(0,): 0.6, (1,): 0.15, (0, 0): 0.38, (0, 1): 0.08, (1, 0): 0.07, (0, 0,
 
 def test_a_lucky_point_does_not_become_the_padding_size():
     honest, lucky = noisy_curve(), noisy_curve(lucky=12)
-    assert lucky.seconds(12, 128) < 0.95 * lucky.seconds(11, 128)  # the medians say: pad 9..11 to 12
-    assert lucky.pad_table(128, confidence=0.0)[10:12] == (12, 12)
-    assert lucky.interval(12, 128)[1] > 0.97 * lucky.seconds(11, 128)  # but 12's interval reaches 11's time
+    assert lucky.pad_table(128, confidence=0.0)[10] == 12  # the means say: feed 10 tokens as 12
+    assert lucky.interval(12, 128)[1] > 0.95 * lucky.seconds(10, 128)  # but 12's interval reaches past the gain
     assert lucky.pad_table(128)[9:12] == (9, 10, 11)  # so nothing is padded to the lucky 12
     assert honest.pad_table(128) == tuple(range(17))
 
