@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from evaluation import equal, plots, speedup, steps
-from evaluation.analysis import (CHECKED, RATIOS, UNKNOWN, Comparison, ResultError, Run, add_input_arguments,
+from evaluation.analysis import (CHECKED, OVERALL, RATIOS, UNKNOWN, Comparison, ResultError, Run, add_input_arguments,
                                  batch_table, comparisons_from_args, default_out_dir, rates, setup_name, summarize)
 from methods.paths import resolve_path
 
@@ -307,6 +307,26 @@ EQUALITY_COLUMNS = ("Method", "Run", "Baseline", "Identical answers", "Identical
                     "Missing", "Failed", "Equal")
 
 
+def _summary_markdown(table: pd.DataFrame, pairs: list[tuple[Comparison, equal.EqualityReport]]) -> str:
+    """Per setup, one row per method over all its questions (the Overall rows of the speedup table) and how many of
+    its turns equal the baseline's: the table a README or a paper quotes (docs/results/<name>/report.md)."""
+    turns: dict[str, list[int]] = {}
+    for comparison, report in pairs:
+        done = turns.setdefault(report.label, [0, 0])
+        done[0], done[1] = done[0] + report.n_identical_turns, done[1] + report.n_turns
+    headers = ["Method", "Speedup", "MAT", "Tok/s", "Decode speedup", "Turns equal to the baseline"]
+    out = []
+    for name, part in speedup.sections(table):
+        rows = []
+        for _, row in part.loc[part["group"] == OVERALL].iterrows():
+            same = turns.get(row["label"])
+            rows.append([str(row["label"]), speedup.number(row["speedup"], 2), speedup.number(row["mat"], 2),
+                         speedup.number(row["tokens_per_s"], 1), speedup.number(row["decode_speedup"], 2),
+                         "(the baseline)" if row["reference"] else f"{same[0]}/{same[1]}" if same else "n/a"])
+        out.append(f"### {name}\n\n" + _table(headers, rows, [True, False, False, False, False, False]))
+    return "\n\n".join(out)
+
+
 def _equality_markdown(pairs: list[tuple[Comparison, equal.EqualityReport]]) -> str:
     if not pairs:
         return "Nothing to check: no run besides the baselines' reference runs."
@@ -559,6 +579,7 @@ def build(comparisons: Sequence[Comparison], notes: Sequence[str], title: str, f
         f"From {len(_runs(comparisons))} result files by `python -m evaluation.report`; the numbers are those of "
         "`evaluation.speedup`, `evaluation.equal` and `evaluation.steps` on the same files (their definitions: "
         "`python -m evaluation.speedup --help`).",
+        "## Summary", _summary_markdown(table, pairs),
         "## Setup", _setup_markdown(setup, foreign),
         "## Speedup", speedup.format_table(table, "md").strip(),
         *(["## By batch size", batch.strip()] if batch else []),

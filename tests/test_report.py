@@ -132,7 +132,7 @@ def test_the_equality_summary_is_evaluation_equals(folder, capsys):
 def test_sections_setup_and_the_caveats_the_analysis_knows(folder, capsys):
     markdown, data = make_report(folder, capsys)
     headings = re.findall(r"^## (.+)$", markdown, re.MULTILINE)
-    assert headings == ["Setup", "Speedup", "Equality", "Acceptance by depth and rank", "Cost model", "Plots",
+    assert headings == ["Summary", "Setup", "Speedup", "Equality", "Acceptance by depth and rank", "Cost model", "Plots",
                         "Caveats"]
     setup = section(markdown, "Setup")
     for fact in ("- model: tiny (tiny-instruct)", "- data: mini, 4 questions, max_new_tokens 8", "- dtype: float32",
@@ -291,3 +291,18 @@ def test_the_html_page_renders_in_headless_chromium(folder, tmp_path, capsys):
     colours = np.unique((pixels * 255).round().astype(np.uint8), axis=0)
     assert len(colours) > 50  # text, tables and plots, not a blank page
     assert (pixels.min(axis=1) < 0.5).mean() > 0.01  # dark pixels: the text
+
+
+def test_the_summary_is_the_overall_rows_and_the_turns_equal_to_the_baseline(folder, capsys):
+    markdown, data = make_report(folder, capsys)
+    [(heading, header, cells)] = tables(section(markdown, "Summary"))
+    assert heading == SECTION and header[:3] == ["Method", "Speedup", "MAT"]
+    overall = [r for r in data["speedup"] if r["group"] == "Overall"]
+    assert [c[0] for c in cells] == [r["label"] for r in overall]  # in the speedup table's order
+    for line, row in zip(cells, overall):
+        assert line[1:5] == [shown(row["speedup"], 2), shown(row["mat"], 2), shown(row["tokens_per_s"], 1),
+                             shown(row["decode_speedup"], 2)]
+        reports = [e for e in data["equality"] if e["label"] == row["label"]]
+        expected = "(the baseline)" if row["reference"] else (
+            f"{sum(e['n_identical_turns'] for e in reports)}/{sum(e['n_turns'] for e in reports)}")
+        assert line[5] == expected
