@@ -82,25 +82,28 @@ def sources(comparisons: Sequence[Comparison]) -> pd.DataFrame:
     return table[fixed + order].fillna(0.0)  # a source a drafter never used: 0% of its steps
 
 
-def _plan_prediction(plan: dict, steps: list, calibration: Calibration, batch: int = 1) -> tuple[float, float]:
-    """Predicted MAT and decode tokens/s of a plan (a tree plan or a per-step policy) at the steps' context lengths
-    (``batch``: the batch size the plan was made for, whose calibrated step it weighed)."""
+def _plan_prediction(plan: dict, steps: list, calibration: Calibration, batch: int = 1) -> tuple[float, float, float]:
+    """Predicted MAT, decode tokens/s and share of drafting steps of a plan (a tree plan or a per-step policy; a
+    policy's share is NaN: it drafts by class) at the steps' context lengths (``batch``: the batch size the plan
+    was made for, whose calibrated step it weighed)."""
     buckets = plan["buckets"]
     bounds = [b["below"] for b in buckets[:-1]]
     padded = bool(plan.get("sources", {}).get("padded"))
     single = calibration.curve_at(batch).seconds
-    tokens = seconds = 0.0
+    tokens = seconds = drafted = 0.0
     for context, _, _ in steps:
         b = buckets[sum(context >= bound for bound in bounds)]
         tokens += b["expected_tokens"]
         if "by_class" in b:  # a per-step policy: its mean step, scaled from its context like a single token's
             seconds += b["step_ms"] / 1000 * single(1, context) / single(1, b["context"])
+            drafted = math.nan
             continue
         rate = b.get("draft_rate", 1.0 if b["nodes"] else 0.0)
+        drafted += rate
         drafting = b.get("draft_ms", 0.0) / 1000  # the drafter's own time, where the plan weighed it
         step = calibration.at(context, padded, batch=batch).seconds(b["nodes"] + 1)
         seconds += rate * (step + drafting) + (1 - rate) * single(1, context)
-    return tokens / len(steps), tokens / seconds
+    return tokens / len(steps), tokens / seconds, drafted / len(steps)
 
 
 def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.DataFrame:
@@ -118,8 +121,9 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
                "mat": frame["accept_sum"].sum() / frame["accept_steps"].sum(),
                "outside_forward": 1 - frame["forward_time"].sum(min_count=len(frame)) / decode_time,
                "plan_changes": frame["plan_changes"].sum(min_count=1),
+               "draft_rate": sum(size > 1 for _, size, _ in steps) / len(steps),
                "calibrated_decode_tokens_per_s": math.nan, "predicted_mat": math.nan,
-               "predicted_decode_tokens_per_s": math.nan}
+               "predicted_decode_tokens_per_s": math.nan, "predicted_draft_rate": math.nan}
         calibration = calibration_for_run(c.run.meta, calibration_dir)
         batch = c.run.batch_size
         if calibration is not None and batch in calibration.batch_sizes:  # a batched run: the step over its rows
@@ -129,8 +133,8 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
             drafter = (c.run.meta or {}).get("drafter") or {}
             plan = drafter.get("plan") or drafter.get("policy")
             if plan:
-                row["predicted_mat"], row["predicted_decode_tokens_per_s"] = _plan_prediction(plan, steps, calibration,
-                                                                                              batch)
+                (row["predicted_mat"], row["predicted_decode_tokens_per_s"],
+                 row["predicted_draft_rate"]) = _plan_prediction(plan, steps, calibration, batch)
         rows.append(row)
     table = pd.DataFrame(rows)
     if table.empty:
@@ -139,7 +143,7 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
     return table.groupby(keys, sort=False).agg(n_runs=("run", "nunique"), **{
         col: (col, "mean") for col in ("decode_tokens_per_s", "calibrated_decode_tokens_per_s", "mat",
                                        "predicted_mat", "predicted_decode_tokens_per_s", "outside_forward",
-                                       "plan_changes")
+                                       "plan_changes", "draft_rate", "predicted_draft_rate")
     }).reset_index()
 
 
@@ -184,7 +188,9 @@ OFF = 0.10  # a run this far from its plan's prediction gets a warning
 def warnings(cost: pd.DataFrame) -> list[str]:
     """A warning per ``=auto`` method whose measured decode tokens/s is more than ``OFF`` from its plan's
     prediction, naming which part was off: the calibration (its times replayed on the steps the run made, against
-    the run's own time) or the acceptance (the MAT the plan predicted, against the run's)."""
+    the run's own time), the acceptance (the MAT the plan predicted, against the run's), or the plan itself as it
+    corrected itself while running (the share of steps it drafted on, against its first plan's): a run that mostly
+    stopped drafting has a low MAT because of its plan, not because its drafts were accepted less."""
     found = []
     for _, row in cost.iterrows() if not cost.empty else ():
         predicted, measured = row["predicted_decode_tokens_per_s"], row["decode_tokens_per_s"]
@@ -196,6 +202,10 @@ def warnings(cost: pd.DataFrame) -> list[str]:
                  f"off: {'faster' if calibration > 0 else 'slower'} than they ran)": abs(calibration),
                  f"the acceptance (MAT {row['mat']:.2f} against {row['predicted_mat']:.2f} predicted, "
                  f"{100 * acceptance:+.0f}%)": abs(acceptance)}
+        drafted, planned = row.get("draft_rate", math.nan), row.get("predicted_draft_rate", math.nan)
+        if planned > 0 and drafted >= 0:
+            parts[f"the plan as it corrected itself (it drafted on {100 * drafted:.0f}% of the steps, its first plan "
+                  f"on {100 * planned:.0f}%)"] = abs(drafted / planned - 1)
         named = [text for text, size in sorted(parts.items(), key=lambda kv: -kv[1]) if size > OFF / 2] or list(parts)
         changes = "" if math.isnan(row["plan_changes"]) else f"; its plan changed {row['plan_changes']:.0f} times as it ran"
         found.append(f"warning: {row['label']} ran at {measured:.1f} decode tok/s, {100 * (measured / predicted - 1):+.0f}% "

@@ -204,3 +204,11 @@ def test_a_run_off_its_prediction_by_more_than_ten_percent_gets_a_warning_naming
     assert "the acceptance (MAT 1.30 against 1.62" in warning and "the calibration" not in warning
     unplanned = pd.DataFrame([row(10.0, 20.0, 1.0, float("nan"), float("nan"))])  # no plan: nothing to compare
     assert steps.warnings(unplanned) == []
+    # its correction turned drafting off on most steps: the low MAT is the plan's doing, named first
+    stopped = pd.DataFrame([row(16.8, 17.1, 1.13, 1.60, 19.4) | {"draft_rate": 0.22, "predicted_draft_rate": 1.0}])
+    [warning] = steps.warnings(stopped)
+    assert "off: the plan as it corrected itself (it drafted on 22% of the steps, its first plan on 100%) and the " \
+           "acceptance (MAT 1.13 against 1.60" in warning
+    kept = pd.DataFrame([row(16.0, 16.5, 1.3, 1.62, 20.0) | {"draft_rate": 0.98, "predicted_draft_rate": 1.0}])
+    [warning] = steps.warnings(kept)
+    assert "the plan as it corrected itself" not in warning and "the acceptance (MAT 1.30" in warning
