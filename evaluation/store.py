@@ -494,7 +494,9 @@ def statistics_key(cfg: DictConfig, method: DictConfig, dtype: str, policy: bool
 
 def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: list[dict],
                     policy: bool = False) -> tuple[Acceptance | PolicyStats, Path]:
-    """The method's per-node statistics, or with ``policy`` its per-class ones, collected on other questions."""
+    """The method's per-node statistics, or with ``policy`` its per-class ones, collected on other questions: those
+    collected for the evaluated question set (its held-out split, ``<data>-heldout<N>``) before any other set's, then
+    the most steps (a code workload's tree is not chosen from chat statistics because those had more steps)."""
     key = statistics_key(cfg, method, dtype, policy)
     evaluated = set(question_hashes(questions))
     if cfg.autotree.acceptance and not policy:
@@ -508,6 +510,7 @@ def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: 
         raise AutoTreeError(f"{what} needs {'policy' if policy else 'acceptance'} statistics for {key} in "
                             f"{cfg.autotree.dir} and none exist; collect them with: {make}")
     usable, refused = [], []
+    own = re.compile(rf"-{re.escape(re.sub(r'[^A-Za-z0-9.=-]+', '_', cfg.data.name))}(-heldout\d+)?\.json$")
     for path in candidates:
         stats = (PolicyStats if policy else Acceptance).load(path)
         diff = [f"{k} ({key.get(k)!r} vs {stats.key.get(k)!r})" for k in {**key, **stats.key}
@@ -519,12 +522,12 @@ def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: 
             refused.append(f"{path} was collected on {overlap} of the questions evaluated here (its statistics "
                            "would flatter the chosen tree)")
         else:
-            usable.append((stats.steps, str(path), stats, path))
+            usable.append((bool(own.search(path.name)), stats.steps, str(path), stats, path))
     if not usable:
         raise AutoTreeError("refusing every acceptance statistics file: " + "; ".join(refused) +
                             f". Collect statistics on other questions with: {make} (or autotree.allow_overlap=true, "
                             "never for a published table)")
-    _, _, stats, path = max(usable)  # the most steps
+    *_, stats, path = max(usable)
     return stats, path
 
 

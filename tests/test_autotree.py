@@ -523,3 +523,23 @@ def test_the_calibration_says_when_the_machine_moved_or_was_busy():
     assert moved["beyond_noise"] and "moved by +15.0%" in moved["verdict"]
     busy = calibrate._verdict({"context": 512, "start": [10.0, 14.0, 7.0, 12.0, 10.0], "end": [17.0] * 5})
     assert busy["beyond_noise"] and "the machine was busy" in busy["verdict"]
+
+
+def test_statistics_collected_for_the_evaluated_set_come_before_another_sets_with_more_steps(tmp_path):
+    cfg = config("model=smollm2-135m", "data=humaneval", "method=recycling", "method.tree=auto",
+                 f"autotree.dir={tmp_path}")
+    key = store.statistics_key(cfg, cfg.method, "float32")
+
+    def write(data: str, steps: int) -> Path:
+        [path] = store.statistics_paths(tmp_path, cfg.model.name, "float32", cfg.method, data=data)
+        path.write_text(json.dumps({"key": key, "nodes": [{"path": [0], "p": 0.5}], "draft_rate": 1.0,
+                                    "steps": steps, "question_hashes": [], "provenance": {}}))
+        return path
+
+    other, own = write("spec_bench-heldout2", 5000), write("humaneval-heldout8", 500)
+    write("humaneval_extra-heldout2", 9000)  # a name that only starts with the evaluated set's
+    _, path = store.find_statistics(cfg, cfg.method, "float32", questions=[])
+    assert path == own
+    own.unlink()
+    _, path = store.find_statistics(cfg, cfg.method, "float32", questions=[])
+    assert path != other  # no statistics of the evaluated set: the most steps, whichever set
