@@ -365,6 +365,11 @@ def question_hashes(questions: Iterable[dict]) -> list[str]:
     return sorted({hashlib.sha1(json.dumps(q["turns"]).encode()).hexdigest()[:16] for q in questions})
 
 
+def _name_part(text: str) -> str:
+    """``text`` as it stands in a statistics file's name."""
+    return re.sub(r"[^A-Za-z0-9.=-]+", "_", text)
+
+
 def statistics_paths(directory: Path, model: str, dtype: str, method: DictConfig, data: str = "*",
                      policy: bool = False, sampled: dict | None = None) -> list[Path]:
     """The statistics files of this model, dtype and method (one per question set; ``data="*"``: all of them, at
@@ -374,11 +379,11 @@ def statistics_paths(directory: Path, model: str, dtype: str, method: DictConfig
     digest = hashlib.sha1(json.dumps((policy_key if policy else method_key)(method, bool(sampled)),
                                      sort_keys=True).encode())
     kind = "policy" if policy else "acceptance"
-    stem = re.sub(r"[^A-Za-z0-9.=-]+", "_", f"{kind}-{model}-{dtype}-{method.name}-{digest.hexdigest()[:8]}")
+    stem = _name_part(f"{kind}-{model}-{dtype}-{method.name}-{digest.hexdigest()[:8]}")
     if data == "*":
         return sorted(directory.glob(f"{stem}-*.json"))
     tag = "-T{temperature:g}-k{top_k}-p{top_p:g}".format(**sampled) if sampled else ""
-    return [directory / f"{stem}{tag}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', data)}.json"]
+    return [directory / f"{stem}{tag}-{_name_part(data)}.json"]
 
 
 
@@ -510,7 +515,7 @@ def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: 
         raise AutoTreeError(f"{what} needs {'policy' if policy else 'acceptance'} statistics for {key} in "
                             f"{cfg.autotree.dir} and none exist; collect them with: {make}")
     usable, refused = [], []
-    own = re.compile(rf"-{re.escape(re.sub(r'[^A-Za-z0-9.=-]+', '_', cfg.data.name))}(-heldout\d+)?\.json$")
+    own = re.compile(rf"-{re.escape(_name_part(cfg.data.name))}(-heldout\d+)?\.json$")  # the evaluated set's
     for path in candidates:
         stats = (PolicyStats if policy else Acceptance).load(path)
         diff = [f"{k} ({key.get(k)!r} vs {stats.key.get(k)!r})" for k in {**key, **stats.key}

@@ -536,10 +536,11 @@ def test_statistics_collected_for_the_evaluated_set_come_before_another_sets_wit
                                     "steps": steps, "question_hashes": [], "provenance": {}}))
         return path
 
-    other, own = write("spec_bench-heldout2", 5000), write("humaneval-heldout8", 500)
-    write("humaneval_extra-heldout2", 9000)  # a name that only starts with the evaluated set's
+    write("spec_bench-heldout2", 5000)
+    own = write("humaneval-heldout8", 500)
+    most = write("humaneval_extra-heldout2", 9000)  # a name that only starts with the evaluated set's
     _, path = store.find_statistics(cfg, cfg.method, "float32", questions=[])
     assert path == own
     own.unlink()
     _, path = store.find_statistics(cfg, cfg.method, "float32", questions=[])
-    assert path != other  # no statistics of the evaluated set: the most steps, whichever set
+    assert path == most  # no statistics of the evaluated set: the most steps, whichever set
