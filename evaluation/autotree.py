@@ -63,7 +63,8 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
             padded: bool = False) -> dict:
     """Constructor overrides for the drafter: ``{tree_param: plan}`` and ``{policy_param: policy}`` where the
     method asks for auto, else {}. With ``autotree.online`` (the default) the method's own plan corrects itself
-    with the run's steps (:mod:`methods.online`); a tree that a drafter takes from another's statistics (SAM's
+    with the run's steps (:mod:`methods.online`), following the candidate tree scored in the shadow of every step
+    where the drafter scores one (``shadow_param``); a tree that a drafter takes from another's statistics (SAM's
     fallback) stays as chosen, its policy being what corrects itself.
     ``padded``: the engine pads blocks as the calibration says, so a tree's step time is its padded size's."""
     cls = drafter_class(cfg.method)
@@ -91,6 +92,8 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
         if cfg.autotree.online and not cls.tree_owner:
             overrides[param] = AdaptiveTreePlan(stats.stats, cost_at, calibration.contexts, {**sources, "online": True},
                                                 draft)
+            if cls.shadow_param and cfg.method.get(cls.shadow_param) is None:  # exact acceptance, drafting or not
+                overrides[cls.shadow_param] = cls.candidate_tree
         else:
             overrides[param] = tree_search.plan(stats.stats, cost_at, calibration.contexts, sources=sources,
                                                 draft=draft)

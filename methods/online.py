@@ -7,9 +7,12 @@ size it fed and the accepted path to the drafter, which passes them here:
 
 * **cost**: log(measured / calibrated) step time as a line in the fed size, fitted with a prior of a few steps
   at 0 (:class:`CostCorrection`): a factor on the calibrated cost of every size, those never fed included;
-* **acceptance**: per depth, the accepted nodes of the verified trees against what the statistics predicted for
-  them, shrunk towards the factor of the depth above (towards 1 at depth 1) by a prior of ``prior_steps`` steps:
-  a factor on every candidate node's share at that depth (deeper than observed: the deepest observed factor);
+* **acceptance**: where the drafter scores the candidate tree in the shadow of every step (Token Recycling:
+  :meth:`AdaptiveTreePlan.follow`), every node's share is the run's exact count, drafting or not, with the
+  statistics as a prior of ``prior_steps`` steps; so a plan that stopped drafting on a bad first answer sees
+  the next answers' acceptance and drafts again. Otherwise, per depth, the accepted nodes of the verified trees
+  against what the statistics predicted for them, shrunk towards the factor of the depth above (towards 1 at
+  depth 1) by the same prior: a factor on every candidate node's share at that depth;
 * a few steps in many verify half the chosen tree (:attr:`AdaptiveTreePlan.probing`), so that the cost is seen at
   two sizes;
 * every ``every`` (32) steps the plan is made anew from the corrected inputs (so with their uncertainty: the cheapest tree
@@ -27,9 +30,11 @@ import math
 from collections import defaultdict
 from typing import Callable, Sequence
 
+import torch
+
 from methods.costs import ContextCost
-from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, TreePlan, best_policy,
-                                 best_tree, plan, policy_plan)
+from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, ShadowTree, TreePlan,
+                                 best_policy, best_tree, plan, policy_plan)
 
 CostAt = Callable[[int, Callable[[int], float] | None], ContextCost]  # (context, scale per fed size) -> the cost there
 
@@ -82,7 +87,7 @@ class AdaptiveTreePlan:
 
     def __init__(self, stats: NodeStats, cost_at: CostAt, contexts: Sequence[int], sources: dict | None = None,
                  draft: Callable[[int], DraftCost] | None = None, every: int = 32, prior_steps: float = 32.0,
-                 hysteresis: float = 0.02, probe: tuple[int, int] = (2, 128)):
+                 hysteresis: float = 0.02, probe: tuple[int, int] = (2, 128), memory: float = 512.0):
         self.stats, self.cost_at, self.contexts, self.draft = stats, cost_at, tuple(contexts), draft
         self.every, self.prior, self.hysteresis, self.probe = every, prior_steps, hysteresis, probe
         self.initial = self.plan = plan(stats, lambda c: cost_at(c, None), contexts, sources=sources, draft=draft)
@@ -92,6 +97,11 @@ class AdaptiveTreePlan:
         self.predicted: dict[int, float] = defaultdict(float)  # per depth: what the statistics predicted for them
         self.verified: dict[int, int] = defaultdict(int)  # per depth: steps whose tree reached it
         self.steps = self.drafting = 0
+        self.shadows: list[ShadowTree] = []  # candidate trees scored beside every step (one per row of a batch)
+        self.memory = memory
+        self.evidence: dict[RankPath, float] = {}  # per candidate node: the shadows' fading count of its acceptance
+        self.evidence_steps = 0.0  # the fading count of the steps they scored
+        self._seen: tuple[list[int], int] = ([], 0)  # the shadows' counts when last absorbed
         self.version = 0
         self.changes: list[dict] = []
         self._reported = 0
@@ -136,8 +146,34 @@ class AdaptiveTreePlan:
         if self.steps % self.every == 0:
             self._replan(context)
 
+    def follow(self, shadow: ShadowTree) -> None:
+        """Take the exact acceptance of every node of ``shadow`` (the candidate tree, scored at every step) instead
+        of the verified trees' acceptance by depth."""
+        self.shadows.append(shadow)
+
+    def _absorb(self) -> None:
+        """Add the followed shadows' counts since the last call to the run's evidence, older evidence fading with
+        a half-life of ``memory`` steps: a run moves between kinds of questions (Spec-Bench's groups accept from
+        1.5 to 1.9 tokens a step with one tree), and the plan follows the questions it is answering now."""
+        counts = torch.stack([shadow.run_counts for shadow in self.shadows]).sum(0).tolist()  # one host copy
+        steps = sum(shadow.run_steps for shadow in self.shadows)
+        new_counts = [n - m for n, m in zip(counts, self._seen[0] or [0] * len(counts))]
+        new_steps = steps - self._seen[1]
+        fade = 0.5 ** (new_steps / self.memory)
+        for path, n in zip(self.shadows[0].paths, new_counts):
+            self.evidence[path] = fade * self.evidence.get(path, 0.0) + n
+        self.evidence_steps = fade * self.evidence_steps + new_steps
+        self._seen = (counts, steps)
+
     def corrected(self) -> NodeStats:
-        """The statistics with the run's acceptance factors per depth (capped by the parent, at most 1)."""
+        """The statistics corrected by the run: from the shadow's (fading) counts where one is followed, the
+        statistics weighing as ``prior_steps`` steps; else with the run's acceptance factors per depth (capped by
+        the parent, at most 1)."""
+        if self.shadows:
+            steps = self.evidence_steps
+            probs = {path: (self.prior * p + self.evidence.get(path, 0.0)) / (self.prior + steps)
+                     for path, p in self.stats.probs.items()}
+            return NodeStats(probs, self.stats.draft_rate, self.stats.steps + round(steps))
         factors = self.depth_factors()
         deepest = max(factors, default=0)
         probs: dict[RankPath, float] = {}
@@ -151,7 +187,14 @@ class AdaptiveTreePlan:
     def depth_factors(self) -> dict[int, float]:
         """Per observed depth: (accepted + prior x centre) / (predicted + prior), the prior being ``prior_steps``
         steps' worth of the prediction at that depth, its centre the factor of the depth above (1 at depth 1): a
-        depth seen for a few steps only keeps close to the depth above rather than to the statistics."""
+        depth seen for a few steps only keeps close to the depth above rather than to the statistics. Following a
+        shadow: the corrected over the offline acceptance of the candidate's nodes at that depth (what is recorded)."""
+        if self.shadows:
+            corrected, by_depth = self.corrected().probs, defaultdict(lambda: [0.0, 0.0])
+            for path, p in self.stats.probs.items():
+                by_depth[len(path)][0] += corrected[path]
+                by_depth[len(path)][1] += p
+            return {d: c / p for d, (c, p) in sorted(by_depth.items()) if p > 0}
         factors, centre = {}, 1.0
         for depth in sorted(self.predicted):
             predicted = self.predicted[depth]
@@ -174,6 +217,8 @@ class AdaptiveTreePlan:
     def _replan(self, context: int) -> None:
         """Choose again at this context's calibrated length (the plan's bucket here); only where that differs from
         the tree in use and is to be taken, make the whole plan anew (every bucket) from the corrected inputs."""
+        if self.shadows:
+            self._absorb()
         stats = self.corrected()
         cost_at = lambda c: self.cost_at(c, self.cost.factor)  # noqa: E731 -- the corrected cost, per context
         here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
@@ -191,6 +236,7 @@ class AdaptiveTreePlan:
                              "to_nodes": len(new_tree), "to": [list(p) for p in new_tree],
                              "predicted_gain": round(gain, 4),
                              "acceptance_by_depth": {str(d): round(f, 4) for d, f in sorted(self.depth_factors().items())},
+                             **({"shadow_steps": round(self.evidence_steps)} if self.shadows else {}),
                              "cost": self.cost.describe()})
 
     def report(self) -> dict:

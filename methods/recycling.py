@@ -46,7 +46,8 @@ class TokenRecycling(Drafter):
         shadow: str | Sequence[Sequence[int]] | None = None,
     ):
         """``shadow``: a tree filled at every step besides the verified one and scored against the true
-        continuation (:class:`ShadowTree`), for acceptance statistics; reported per turn by ``finish``."""
+        continuation (:class:`ShadowTree`), for acceptance statistics; reported per turn by ``finish``, and
+        followed by a plan that corrects itself while it runs (``tree=auto``)."""
         if start not in ("hot", "cold"):
             raise ValueError(f"method.start must be 'hot' or 'cold', got {start!r}")
         if k < 1:
@@ -66,6 +67,7 @@ class TokenRecycling(Drafter):
             shape, levels = self._tree(load_template(shadow) if isinstance(shadow, str) else shadow)
             self.shadow, self._shadow_levels = ShadowTree(shape, self.device), levels
             self._shadow_tokens = torch.zeros(shape.n_nodes, dtype=torch.long, device=self.device)
+            self.plan.follow(self.shadow)
         self._tokens = torch.zeros(1, dtype=torch.long, device=self.device)  # [root, nodes], grown to the largest tree
         self._root: torch.Tensor | None = None  # the next root, on the device: the last step's bonus token
 
@@ -147,6 +149,12 @@ class TokenRecycling(Drafter):
         same = tokens[:, None] == tokens[None, :]  # [n, n]
         beaten = (same & (priority[None, :] > priority[:, None])).any(-1)  # [n]
         self.matrix[torch.where(beaten, self.vocab_size, tokens)] = top
+
+    def fork(self) -> TokenRecycling:
+        forked = super().fork()
+        if forked.shadow is not None:  # the row's own shadow, scored against its own continuation
+            self.plan.follow(forked.shadow)
+        return forked
 
     def shared(self) -> list[object]:
         """The matrix is the hot-start state every row of a batch reads and writes (rows observe in slot order); the

@@ -135,6 +135,10 @@ class TreePlan:
     def observe(self, context: int, fed: int, seconds: float, ranks: Sequence[int]) -> None:
         """A step made with this plan (a fixed plan learns nothing; methods.online's does)."""
 
+    def follow(self, shadow: ShadowTree) -> None:
+        """A candidate tree the drafter scores in the shadow of every step (a fixed plan ignores it;
+        methods.online's takes its exact acceptance of every node, drafting or not)."""
+
     def report(self) -> dict:
         """What the plan did during a turn, for the turn's record ({} for a fixed plan)."""
         return {}
@@ -270,9 +274,15 @@ class ShadowTree:
         self._offsets = buf.depths[1:n1] - 1  # node at depth d must equal the d-th token after the root
         self._ancestors = buf.ancestors
         ranks = shape.sibling_ranks
-        self._names = [".".join(str(ranks[j]) for j in path[1:]) for path in shape.paths[1:]]
+        #: every node's rank path, in node order
+        self.paths: tuple[RankPath, ...] = tuple(tuple(ranks[j] for j in path[1:]) for path in shape.paths[1:])
+        self._names = [".".join(map(str, path)) for path in self.paths]
         self._counts = torch.zeros(n1 - 1, dtype=torch.long, device=device)
         self._steps = 0
+        #: the same counts over every generation so far (``finish`` does not clear them): what a plan that corrects
+        #: itself while it runs reads (methods.online)
+        self.run_counts = torch.zeros(n1 - 1, dtype=torch.long, device=device)
+        self.run_steps = 0
         self._pending: list[tuple[int, torch.Tensor]] = []
         self._stream: list[int] = []
 
@@ -305,8 +315,11 @@ class ShadowTree:
             truth = torch.tensor(known + [-1] * (self.depth - len(known)), device=tokens.device)
             correct = torch.ones(len(tokens), dtype=torch.bool, device=tokens.device)
             correct[1:] = tokens[1:] == truth[self._offsets]
-            self._counts += (~(self._ancestors & ~correct).any(-1))[1:]
+            accepted = (~(self._ancestors & ~correct).any(-1))[1:]
+            self._counts += accepted
+            self.run_counts += accepted
             self._steps += 1
+            self.run_steps += 1
         self._pending = waiting
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import torch
 
 from conftest import VOCAB, tiny_llama
 from methods.costs import CostCurve
@@ -159,6 +160,41 @@ def test_online_policy_correction_learns_the_runs_own_match_lengths():
         online.observe_cost(200, 7, step_ms(7, 128) / 1000)
         online.observe_scored(8, 6, 0, 200)
     assert online.option(200, 8).chain >= 6 and online.option(200, 0).chain == 0
+
+
+class Shadow:
+    """What a drafter's shadow of the candidate tree hands a plan it follows: every node's acceptance, every step."""
+
+    def __init__(self, paths):
+        self.paths, self.run_counts, self.run_steps = tuple(paths), torch.zeros(len(paths), dtype=torch.long), 0
+
+    def score(self, accepted: list[int]) -> None:
+        for depth in range(1, len(accepted) + 1):
+            self.run_counts[self.paths.index(tuple(accepted[:depth]))] += 1
+        self.run_steps += 1
+
+
+def test_a_plan_that_stopped_drafting_on_a_bad_start_drafts_again_from_its_shadow():
+    """A run whose first answers accept a tenth of what the statistics say stops drafting; later answers accept
+    what they say. Following a shadow (every node scored at every step, drafting or not), the plan drafts again
+    and ends at the best fixed tree; and its memory fades, so it follows the questions it answers now."""
+    curve = noisy_curve(spread=0.02, step=steep_ms)
+    cost = lambda q: steep_ms(q, 128) / 1000  # noqa: E731
+    bad, good = Process({p: 0.1 * v for p, v in PROBS.items()}, cost, seed=1), Process(PROBS, cost, seed=2)
+    best = best_tree(NodeStats(PROBS), cost).paths
+    online = AdaptiveTreePlan(NodeStats(PROBS, steps=400), lambda c, scale=None: curve.at(c, None, scale), CONTEXTS,
+                              every=16, memory=256)
+    shadow = Shadow(PROBS)
+    online.follow(shadow)
+    for process, steps in ((bad, 600), (good, 1500)):
+        for _ in range(steps):
+            tree = online.trees[online.index(200)]
+            shadow.score(process.accepted(tuple(PROBS)))
+            online.observe(200, len(tree) + 1, process.cost(len(tree) + 1), process.accepted(tree))
+        if process is bad:
+            assert online.trees[online.index(200)] == ()  # nothing pays while a tenth is accepted
+    assert good.speed(online.trees[online.index(200)]) >= 0.98 * good.speed(best)
+    assert online.changes[-1]["shadow_steps"] < 1500  # older evidence faded
 
 
 def test_a_plan_that_changes_mid_answer_keeps_the_output_greedy():
