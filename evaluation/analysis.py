@@ -261,9 +261,11 @@ def draft_sources(choice: dict) -> dict[str, int]:
 
 
 def plan_changes(choice: dict) -> float:
-    """How often the drafter changed its plan (``drafter_stats[].plan_changes``), summed over turns; NaN where
-    no turn records it (a drafter without a plan, or a file written before the field)."""
-    counts = [len(stats["plan_changes"]) for stats in choice.get("drafter_stats", []) if "plan_changes" in stats]
+    """How often the drafter changed its plan (``drafter_stats[].plan_changes``), summed over turns and the
+    warm-up recorded with the run's first answer; NaN where no turn records it (a drafter without a plan, or a
+    file written before the field)."""
+    counts = [len(stats["plan_changes"]) for stats in choice.get("drafter_stats", []) + choice.get(
+        "warmup_drafter_stats", []) if "plan_changes" in stats]
     return float(sum(counts)) if counts else math.nan
 
 

@@ -196,9 +196,13 @@ class Job:
                                         [{"role": "user", "content": q["turns"][0]}])) for q in questions)
         limit = self.engine.max_length or float("inf")
         warm = next(((q, p) for q, p in firsts if len(p) < limit), None)  # the first question whose prompt fits
+        self.warmup_stats: list[dict] = []  # the warm-up's plan changes, recorded with the first answer (Job.answer)
         for _ in range(cfg.warmup if self.todo and warm else 0):
             if self.batch is None:
-                self.engine.generate(warm[1], drafter, cfg.max_new_tokens, key=generation_key(warm[0]["question_id"], 0))
+                gen = self.engine.generate(warm[1], drafter, cfg.max_new_tokens,
+                                           key=generation_key(warm[0]["question_id"], 0))
+                if gen.drafter_stats.get("plan_changes"):
+                    self.warmup_stats.append(gen.drafter_stats)
             else:  # every row once, in one batch
                 request = Request(warm[1], cfg.max_new_tokens, generation_key(warm[0]["question_id"], 0))
                 run_batch(self.batch, (_ask(request) for _ in range(self.batch_size)), drafter)
@@ -218,6 +222,8 @@ class Job:
             try:
                 record |= answer(question, self.engine, self.drafter, self.loaded, cfg.model.template,
                                  cfg.max_new_tokens)
+                if self.warmup_stats:  # a plan that changed while warming up: its changes belong to the run
+                    record["choices"][0]["warmup_drafter_stats"], self.warmup_stats = self.warmup_stats, []
             except Exception as err:  # noqa: BLE001 -- one failing question must not end the run
                 self._failed(record, err)
             self._write(record)

@@ -205,6 +205,8 @@ def test_plans_policies_and_plan_changes_are_shown(folder, capsys):
     def with_changes(rec):
         if rec["question_id"] in changes:
             rec["choices"][0]["drafter_stats"] = changes[rec["question_id"]]
+        if rec["question_id"] == 81:  # a change while warming up, recorded with the run's first answer
+            rec["choices"][0]["warmup_drafter_stats"] = [{"plan_changes": [{"step": 40}]}]
         return rec
 
     edit_records(folder / "recycling-paper-float32-cpu-run0.jsonl", with_changes)
@@ -218,8 +220,8 @@ def test_plans_policies_and_plan_changes_are_shown(folder, capsys):
                       "5182.6"],
                      ["recycling-paper", "0, 1", "plan", "≥ 32", "no draft", "1.00", "1.00", "100.0"]]
     assert "recycling-paper plan made from: acceptance acceptance-tiny.json; padded yes" in text
-    assert "recycling-paper: 3 plan changes over 2 questions (1 run)" in text
-    assert data["plan_changes"] == [{"section": SECTION, "label": "recycling-paper", "changes": 3, "runs": 1,
+    assert "recycling-paper: 4 plan changes over 2 questions (1 run)" in text
+    assert data["plan_changes"] == [{"section": SECTION, "label": "recycling-paper", "changes": 4, "runs": 1,
                                      "questions": 2}]
 
 
