@@ -188,7 +188,8 @@ OFF = 0.10  # a run this far from its plan's prediction gets a warning
 def warnings(cost: pd.DataFrame) -> list[str]:
     """A warning per ``=auto`` method whose measured decode tokens/s is more than ``OFF`` from its plan's
     prediction, naming which part was off: the calibration (its times replayed on the steps the run made, against
-    the run's own time), the acceptance (the MAT the plan predicted, against the run's), or the plan itself as it
+    the run's own time; where the baseline's steps were off as well, split into the machine, whose speed moved
+    since it was calibrated, and the calibration's shape beyond that), the acceptance (the MAT the plan predicted, against the run's), or the plan itself as it
     corrected itself while running (the share of steps it drafted on, against its first plan's): a run that mostly
     stopped drafting has a low MAT because of its plan, not because its drafts were accepted less."""
     found = []
@@ -198,16 +199,44 @@ def warnings(cost: pd.DataFrame) -> list[str]:
             continue
         calibration = row["calibrated_decode_tokens_per_s"] / measured - 1  # > 0: the steps ran slower than calibrated
         acceptance = row["mat"] / row["predicted_mat"] - 1  # < 0: fewer tokens per step than predicted
-        parts = {f"the calibration (replayed on the run's steps, it predicted their time {100 * calibration:+.0f}% "
-                 f"off: {'faster' if calibration > 0 else 'slower'} than they ran)": abs(calibration),
-                 f"the acceptance (MAT {row['mat']:.2f} against {row['predicted_mat']:.2f} predicted, "
+        baseline = _baseline(cost, row)
+        machine = math.nan if baseline is None else \
+            baseline["calibrated_decode_tokens_per_s"] / baseline["decode_tokens_per_s"] - 1
+        parts = {f"the acceptance (MAT {row['mat']:.2f} against {row['predicted_mat']:.2f} predicted, "
                  f"{100 * acceptance:+.0f}%)": abs(acceptance)}
+        if abs(machine) > OFF / 2:  # the baseline's steps were off too: the machine's speed moved since calibrating
+            shape = (1 + calibration) / (1 + machine) - 1
+            parts[f"the machine (the baseline's steps, too, ran {100 * abs(machine):.0f}% "
+                  f"{'slower' if machine > 0 else 'faster'} than calibrated)"] = abs(machine)
+            parts[f"the calibration's shape (this method's steps {100 * abs(shape):.0f}% "
+                  f"{'slower' if shape > 0 else 'faster'} than calibrated beyond the baseline's)"] = abs(shape)
+        else:
+            parts[f"the calibration (replayed on the run's steps, it predicted their time {100 * calibration:+.0f}% "
+                  f"off: {'faster' if calibration > 0 else 'slower'} than they ran)"] = abs(calibration)
         drafted, planned = row.get("draft_rate", math.nan), row.get("predicted_draft_rate", math.nan)
         if planned > 0 and drafted >= 0:
             parts[f"the plan as it corrected itself (it drafted on {100 * drafted:.0f}% of the steps, its first plan "
                   f"on {100 * planned:.0f}%)"] = abs(drafted / planned - 1)
         named = [text for text, size in sorted(parts.items(), key=lambda kv: -kv[1]) if size > OFF / 2] or list(parts)
         changes = "" if math.isnan(row["plan_changes"]) else f"; its plan changed {row['plan_changes']:.0f} times as it ran"
+        relative = ""
+        if baseline is not None and baseline["calibrated_decode_tokens_per_s"] > 0:
+            runs = measured / baseline["decode_tokens_per_s"]
+            plans = predicted / baseline["calibrated_decode_tokens_per_s"]
+            relative = (f"; as a decode speedup over the baseline (the machine's speed cancels): {runs:.2f}x against "
+                        f"{plans:.2f}x predicted, {100 * (runs / plans - 1):+.0f}%")
         found.append(f"warning: {row['label']} ran at {measured:.1f} decode tok/s, {100 * (measured / predicted - 1):+.0f}% "
-                     f"from the {predicted:.1f} its plan predicted; off: {' and '.join(named)}{changes}")
+                     f"from the {predicted:.1f} its plan predicted; off: {' and '.join(named)}{changes}{relative}")
     return found
+
+
+def _baseline(cost: pd.DataFrame, row: pd.Series) -> pd.Series | None:
+    """The baseline's row of ``row``'s setup, where the table has one with a calibrated figure."""
+    if "reference" not in cost:
+        return None
+    same = cost[cost["reference"].astype(bool)]
+    for key in (*SETUP_KEYS, "platform"):
+        if key in cost:
+            same = same[same[key] == row[key]]
+    same = same[same["calibrated_decode_tokens_per_s"] > 0]
+    return None if same.empty else same.iloc[0]

@@ -245,6 +245,16 @@ def test_a_run_off_its_prediction_by_more_than_ten_percent_gets_a_warning_naming
     [warning] = steps.warnings(stopped)
     assert "off: the plan as it corrected itself (it drafted on 22% of the steps, its first plan on 100%) and the " \
            "acceptance (MAT 1.13 against 1.60" in warning
+    # the baseline ran 14% slower than calibrated too: the machine moved, and the speedup tells the plan apart
+    baseline = {"label": "baseline", "reference": True, "decode_tokens_per_s": 15.7,
+                "calibrated_decode_tokens_per_s": 17.9, "mat": 1.0, "predicted_mat": float("nan"),
+                "predicted_decode_tokens_per_s": float("nan"), "plan_changes": float("nan")}
+    drifted = pd.DataFrame([baseline, row(16.8, 18.9, 1.58, 1.60, 20.0) | {"reference": False}])
+    [warning] = steps.warnings(drifted)
+    assert "off: the machine (the baseline's steps, too, ran 14% slower than calibrated)" in warning
+    assert "the calibration's shape" not in warning and "the acceptance" not in warning  # within the noise
+    assert "decode speedup over the baseline (the machine's speed cancels): 1.07x against 1.12x predicted, -4%" \
+        in warning
     kept = pd.DataFrame([row(16.0, 16.5, 1.3, 1.62, 20.0) | {"draft_rate": 0.98, "predicted_draft_rate": 1.0}])
     [warning] = steps.warnings(kept)
     assert "the plan as it corrected itself" not in warning and "the acceptance (MAT 1.30" in warning
