@@ -532,7 +532,12 @@ def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: 
         raise AutoTreeError("refusing every acceptance statistics file: " + "; ".join(refused) +
                             f". Collect statistics on other questions with: {make} (or autotree.allow_overlap=true, "
                             "never for a published table)")
-    *_, stats, path = max(usable)
+    own_set, *_, stats, path = max(usable)
+    passed_over = [why for why in refused if own.search(why.split(" ", 1)[0])]
+    if not own_set and passed_over:  # the evaluated set's own statistics exist but cannot serve: say so, loudly
+        print(f"draftbench: warning: {what} takes its statistics from another question set ({path.name}): "
+              f"{'; '.join(passed_over)}. For this set's own, held out from the questions evaluated: {make}",
+              file=sys.stderr)
     return stats, path
 
 

@@ -544,3 +544,21 @@ def test_statistics_collected_for_the_evaluated_set_come_before_another_sets_wit
     own.unlink()
     _, path = store.find_statistics(cfg, cfg.method, "float32", questions=[])
     assert path == most  # no statistics of the evaluated set: the most steps, whichever set
+
+
+def test_statistics_of_the_evaluated_set_that_overlap_it_are_passed_over_loudly(tmp_path, capsys):
+    """The first 12 HumanEval problems' statistics (held out: problems 12-19) cannot serve the first 40: another
+    set's are taken, and the output says so with the command that makes the evaluated set's own."""
+    cfg = config("model=smollm2-135m", "data=humaneval", "method=recycling", "method.tree=auto",
+                 f"autotree.dir={tmp_path}")
+    key = store.statistics_key(cfg, cfg.method, "float32")
+    question = {"question_id": 12, "category": "humaneval", "turns": ["def f():"]}
+    for data, hashes in (("spec_bench-heldout2", []), ("humaneval-heldout8", store.question_hashes([question]))):
+        [path] = store.statistics_paths(tmp_path, cfg.model.name, "float32", cfg.method, data=data)
+        path.write_text(json.dumps({"key": key, "nodes": [{"path": [0], "p": 0.5}], "draft_rate": 1.0,
+                                    "steps": 500, "question_hashes": hashes, "provenance": {}}))
+    _, path = store.find_statistics(cfg, cfg.method, "float32", questions=[question])
+    assert "spec_bench-heldout2" in path.name
+    err = capsys.readouterr().err
+    assert "takes its statistics from another question set" in err and "humaneval-heldout8" in err
+    assert "was collected on 1 of the questions evaluated here" in err and "python -m evaluation.acceptance" in err
