@@ -153,6 +153,7 @@ class TokenRecycling(Drafter):
     def fork(self) -> TokenRecycling:
         forked = super().fork()
         if forked.shadow is not None:  # the row's own shadow, scored against its own continuation
+            forked.shadow.clear()
             self.plan.follow(forked.shadow)
         return forked
 

@@ -277,14 +277,20 @@ class ShadowTree:
         #: every node's rank path, in node order
         self.paths: tuple[RankPath, ...] = tuple(tuple(ranks[j] for j in path[1:]) for path in shape.paths[1:])
         self._names = [".".join(map(str, path)) for path in self.paths]
-        self._counts = torch.zeros(n1 - 1, dtype=torch.long, device=device)
-        self._steps = 0
-        #: the same counts over every generation so far (``finish`` does not clear them): what a plan that corrects
-        #: itself while it runs reads (methods.online)
+        #: per node, the steps that would have accepted it, over every generation so far; and the steps scored:
+        #: what a plan that corrects itself while it runs reads (methods.online); ``finish`` hands over a turn's
         self.run_counts = torch.zeros(n1 - 1, dtype=torch.long, device=device)
         self.run_steps = 0
+        self._turn = (self.run_counts.clone(), 0)  # the counts when the generation started
         self._pending: list[tuple[int, torch.Tensor]] = []
         self._stream: list[int] = []
+
+    def clear(self) -> None:
+        """Forget every count (a copy made for another row of a batch starts from none)."""
+        self.run_counts.zero_()
+        self.run_steps = 0
+        self._turn = (self.run_counts.clone(), 0)
+        self._pending, self._stream = [], []
 
     def add(self, tokens: torch.Tensor) -> None:
         """A step's filled tree ([root, nodes]), to be scored once the tokens after its root are known."""
@@ -297,11 +303,10 @@ class ShadowTree:
     def finish(self) -> dict:
         """Score what is pending (the end of a generation cuts the continuation) and hand over the counts."""
         self._score(final=True)
-        counts = self._counts.tolist()
-        out = {"shadow_steps": self._steps,
+        counts = (self.run_counts - self._turn[0]).tolist()
+        out = {"shadow_steps": self.run_steps - self._turn[1],
                "shadow_accepted": {name: n for name, n in zip(self._names, counts) if n}}
-        self._counts.zero_()
-        self._steps = 0
+        self._turn = (self.run_counts.clone(), self.run_steps)
         self._stream = []
         return out
 
@@ -315,10 +320,7 @@ class ShadowTree:
             truth = torch.tensor(known + [-1] * (self.depth - len(known)), device=tokens.device)
             correct = torch.ones(len(tokens), dtype=torch.bool, device=tokens.device)
             correct[1:] = tokens[1:] == truth[self._offsets]
-            accepted = (~(self._ancestors & ~correct).any(-1))[1:]
-            self._counts += accepted
-            self.run_counts += accepted
-            self._steps += 1
+            self.run_counts += (~(self._ancestors & ~correct).any(-1))[1:]
             self.run_steps += 1
         self._pending = waiting
 
