@@ -514,18 +514,20 @@ def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: 
     if not candidates or not candidates[0].is_file():
         raise AutoTreeError(f"{what} needs {'policy' if policy else 'acceptance'} statistics for {key} in "
                             f"{cfg.autotree.dir} and none exist; collect them with: {make}")
-    usable, refused = [], []
+    usable, refused, passed_over = [], [], []  # passed over: the evaluated set's own files, refused
     own = re.compile(rf"-{re.escape(_name_part(cfg.data.name))}(-heldout\d+)?\.json$")  # the evaluated set's
     for path in candidates:
         stats = (PolicyStats if policy else Acceptance).load(path)
         diff = [f"{k} ({key.get(k)!r} vs {stats.key.get(k)!r})" for k in {**key, **stats.key}
                 if key.get(k) != stats.key.get(k)]
         overlap = len(evaluated & set(stats.question_hashes))
-        if diff:
-            refused.append(f"{path} differs in {'; '.join(diff)}")
-        elif overlap and not cfg.autotree.allow_overlap:
-            refused.append(f"{path} was collected on {overlap} of the questions evaluated here (its statistics "
-                           "would flatter the chosen tree)")
+        why = (f"{path} differs in {'; '.join(diff)}" if diff else
+               f"{path} was collected on {overlap} of the questions evaluated here (its statistics would flatter "
+               "the chosen tree)" if overlap and not cfg.autotree.allow_overlap else None)
+        if why:
+            refused.append(why)
+            if own.search(path.name):
+                passed_over.append(why)
         else:
             usable.append((bool(own.search(path.name)), stats.steps, str(path), stats, path))
     if not usable:
@@ -533,7 +535,6 @@ def find_statistics(cfg: DictConfig, method: DictConfig, dtype: str, questions: 
                             f". Collect statistics on other questions with: {make} (or autotree.allow_overlap=true, "
                             "never for a published table)")
     own_set, *_, stats, path = max(usable)
-    passed_over = [why for why in refused if own.search(why.split(" ", 1)[0])]
     if not own_set and passed_over:  # the evaluated set's own statistics exist but cannot serve: say so, loudly
         print(f"draftbench: warning: {what} takes its statistics from another question set ({path.name}): "
               f"{'; '.join(passed_over)}. For this set's own, held out from the questions evaluated: {make}",
