@@ -190,8 +190,9 @@ def warnings(cost: pd.DataFrame) -> list[str]:
     prediction, naming which part was off: the calibration (its times replayed on the steps the run made, against
     the run's own time; where the baseline's steps were off as well, split into the machine, whose speed moved
     since it was calibrated, and the calibration's shape beyond that), the acceptance (the MAT the plan predicted,
-    against the run's), or the plan itself as it corrected itself while running (the share of steps it drafted on, against its first plan's): a run that mostly
-    stopped drafting has a low MAT because of its plan, not because its drafts were accepted less."""
+    against the run's), or the plan itself as it corrected itself while running (the share of steps it drafted on,
+    against its first plan's): a run that mostly stopped drafting has a low MAT because of its plan, not because its
+    drafts were accepted less."""
     found = []
     for _, row in cost.iterrows() if not cost.empty else ():
         predicted, measured = row["predicted_decode_tokens_per_s"], row["decode_tokens_per_s"]
