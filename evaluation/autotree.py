@@ -78,7 +78,7 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
     calibration, calibration_path = store.find_calibration(cfg, device, dtype)
     batch = int(cfg.get("batch_size", 1))
     _at_batch(cfg, calibration, calibration_path, batch, calibration.curve_at)
-    cost_at = lambda context, scale=None: calibration.at(context, padded, scale, batch)  # noqa: E731
+    cost_at = lambda context, correction=None: calibration.at(context, padded, correction, batch)  # noqa: E731
     if tree_auto:
         stats, stats_path = store.find_statistics(cfg, store.statistics_method(cfg.method), dtype_name, questions)
         sources = {"calibration": str(calibration_path), "acceptance": str(stats_path), "padded": padded,

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from evaluation import data as datasets
 from evaluation import models
-from methods.costs import ContextCost, CostCurve, bounds, interp
+from methods.costs import ContextCost, Correction, CostCurve, bounds, interp
 from methods.engine import Padding
 from methods.sampling import Sampling
 from methods.paths import PROJECT_ROOT, resolve_path
@@ -142,14 +142,14 @@ class Calibration:
         """Predicted time of a step over ``q`` tokens fed as :attr:`padding` says."""
         return self.seconds(self.padding.size(q, context), context)
 
-    def at(self, context: int, padded: bool, scale: Callable[[int], float] | None = None,
+    def at(self, context: int, padded: bool, correction: Correction | None = None,
            batch: int = 1) -> ContextCost:
         """The step cost a plan bucket at ``context`` is chosen with (blocks padded as the engine will pad them),
-        scaled per fed size by ``scale`` (a run's own correction); ``batch``: of a step over that many rows, which
-        yields that many rows' tokens, so that the same planner chooses per row with it."""
+        corrected per fed size by a run's own steps (``correction``); ``batch``: of a step over that many rows,
+        which yields that many rows' tokens, so that the same planner chooses per row with it."""
         if batch == 1:
-            return self.curve.at(context, self.padding.table(context) if padded else None, scale)
-        return self.curve_at(batch).at(context, self.padding_at(batch).table(context) if padded else None, scale)
+            return self.curve.at(context, self.padding.table(context) if padded else None, correction)
+        return self.curve_at(batch).at(context, self.padding_at(batch).table(context) if padded else None, correction)
 
     def summary(self) -> str:
         """The calibration's precision and drift in one line."""

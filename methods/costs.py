@@ -20,7 +20,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -139,10 +139,10 @@ class CostCurve:
         return tuple(table)
 
     def at(self, context: float, pad: Sequence[int] | None = None,
-           scale: Callable[[int], float] | None = None) -> ContextCost:
-        """The step cost at one context length, with blocks fed as ``pad`` says (None: as they are), scaled per
-        fed size by ``scale`` (a run's own correction)."""
-        return ContextCost(self, context, tuple(pad) if pad is not None else None, scale)
+           correction: Correction | None = None) -> ContextCost:
+        """The step cost at one context length, with blocks fed as ``pad`` says (None: as they are), corrected per
+        fed size by a run's own steps (``correction``)."""
+        return ContextCost(self, context, tuple(pad) if pad is not None else None, correction)
 
     def describe(self) -> dict:
         """The precision of the calibration in a few numbers (for its summary line and the report)."""
@@ -152,26 +152,45 @@ class CostCurve:
                               "q": self.sizes[int(np.argmax(p.max(axis=0)))]}}
 
 
+class Correction(Protocol):
+    """A run's own evidence on the calibrated step times (:class:`methods.online.CostCorrection`)."""
+
+    def factor(self, fed: int) -> float:
+        """The factor on a fed size's calibrated time."""
+
+    def shrink(self, fed: int, spread: float) -> float:
+        """The share (0-1) of the calibration's uncertainty at a fed size (``spread``: the standard deviation of its
+        log time over the replicates) that is left once the run's own steps at that size are counted."""
+
+
 @dataclass(frozen=True, eq=False)
 class ContextCost:
-    """A step's cost at one context length (what one plan bucket is chosen with), optionally scaled per fed size
-    (``scale``: the run's own correction, :mod:`methods.online`)."""
+    """A step's cost at one context length (what one plan bucket is chosen with), optionally corrected per fed
+    size by the run's own steps (``correction``, :mod:`methods.online`): the time by its factor, and the
+    replicates drawn in towards it as far as the run has timed that size (a gain the run keeps measuring is no
+    longer lost in the calibration's noise)."""
 
     curve: CostCurve
     context: float
     pad: tuple[int, ...] | None = None
-    scale: Callable[[int], float] | None = None
+    correction: Correction | None = None
 
     def fed(self, q: int) -> int:
         return self.pad[q] if self.pad is not None and q < len(self.pad) else q
 
     def seconds(self, q: int) -> float:
         fed = self.fed(q)
-        return self.curve.seconds(fed, self.context) * (self.scale(fed) if self.scale else 1.0)
+        return self.curve.seconds(fed, self.context) * (self.correction.factor(fed) if self.correction else 1.0)
 
     def replicates(self, q: int) -> np.ndarray:
         fed = self.fed(q)
-        return self.curve.replicate_seconds(fed, self.context) * (self.scale(fed) if self.scale else 1.0)
+        reps = self.curve.replicate_seconds(fed, self.context)
+        if self.correction is None:
+            return reps
+        fitted = self.curve.seconds(fed, self.context)
+        deviation = np.log(reps / fitted)
+        shrink = self.correction.shrink(fed, float(np.std(deviation)))
+        return fitted * self.correction.factor(fed) * np.exp(shrink * deviation)
 
     def __call__(self, q: int) -> float:
         return self.seconds(q)

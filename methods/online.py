@@ -36,8 +36,6 @@ from methods.costs import ContextCost
 from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, ShadowTree, TreePlan,
                                  best_policy, best_tree, plan, policy_plan)
 
-CostAt = Callable[[int, Callable[[int], float] | None], ContextCost]  # (context, scale per fed size) -> the cost there
-
 
 class CostCorrection:
     """Measured over calibrated step time as a function of the fed size ``q``: ``log(measured / calibrated) = a +
@@ -45,12 +43,14 @@ class CostCorrection:
     steps: a machine that runs slower overall moves ``a``, blocks that cost more than calibrated (or a drafter's own
     per-step cost, which weighs more on cheap steps) move ``b``, and sizes the run never fed are predicted from
     those it did. ``r_q``, a size's mean residual shrunk by the same prior, catches one size that the calibration
-    got wrong (a lucky point)."""
+    got wrong (a lucky point). A size the run has timed many times is known from its own steps: :meth:`shrink`
+    takes its share of the calibration's uncertainty away (the steps counted as independent; a machine that drifts
+    during the run moves every size alike, which the comparison between sizes cancels)."""
 
     def __init__(self, prior_steps: float = 8.0):
         self.prior = prior_steps
         self.n = self.sx = self.sxx = self.sy = self.sxy = 0.0
-        self.by_size: dict[int, list[float]] = defaultdict(list)  # per fed size: its log ratios
+        self.by_size: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # per fed size: n, sum, squares
 
     @staticmethod
     def _x(fed: int) -> float:
@@ -61,7 +61,8 @@ class CostCorrection:
             x, y = self._x(fed), math.log(measured / predicted)
             self.n, self.sx, self.sxx, self.sy, self.sxy = (self.n + 1, self.sx + x, self.sxx + x * x, self.sy + y,
                                                             self.sxy + x * y)
-            self.by_size[fed].append(y)
+            own = self.by_size[fed]
+            own[0], own[1], own[2] = own[0] + 1, own[1] + y, own[2] + y * y
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) of the ridge fit."""
@@ -73,12 +74,25 @@ class CostCorrection:
         """The factor on a size's calibrated time."""
         a, b = self.coefficients()
         line = a + b * self._x(fed)
-        own = self.by_size.get(fed, [])
-        return math.exp(line + sum(y - line for y in own) / (len(own) + self.prior))
+        n, total, _ = self.by_size.get(fed, (0, 0.0, 0.0))
+        return math.exp(line + (total - n * line) / (n + self.prior))
+
+    def shrink(self, fed: int, spread: float) -> float:
+        """The calibration's standard error at a size (``spread``, in log time) combined with the run's mean over
+        its ``n`` steps there (their variance ``v`` over ``n``), as a share of the calibration's: ``sqrt((v / n) /
+        (v / n + spread**2))``; 1 for a size fed fewer than twice."""
+        n, total, squares = self.by_size.get(fed, (0, 0.0, 0.0))
+        if n < 2 or spread <= 0:
+            return 1.0
+        variance = max(squares - total * total / n, 0.0) / (n - 1)
+        return math.sqrt(variance / (variance + n * spread * spread))
 
     def describe(self) -> dict:
         return {"by_fed_size": {str(q): round(self.factor(q), 4) for q in sorted(self.by_size)},
-                "steps_by_fed_size": {str(q): len(ys) for q, ys in sorted(self.by_size.items())}}
+                "steps_by_fed_size": {str(q): own[0] for q, own in sorted(self.by_size.items())}}
+
+
+CostAt = Callable[[int, CostCorrection | None], ContextCost]  # (context, the run's correction) -> the cost there
 
 
 class AdaptiveTreePlan:
@@ -220,7 +234,7 @@ class AdaptiveTreePlan:
         if self.shadows:
             self._absorb()
         stats = self.corrected()
-        cost_at = lambda c: self.cost_at(c, self.cost.factor)  # noqa: E731 -- the corrected cost, per context
+        cost_at = lambda c: self.cost_at(c, self.cost)  # noqa: E731 -- the corrected cost, per context
         here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
         new_tree = best_tree(stats, cost_at(here), None, here, self.draft(here) if self.draft else None).paths
         old_tree = self.plan.trees[self.plan.index(context)]
@@ -296,7 +310,7 @@ class AdaptivePolicyPlan:
             for klass, table in source.items():
                 for cell, n in table.items():
                     counts[klass][cell] += weight * n
-        cost_at = lambda c: self.cost_at(c, self.cost.factor)  # noqa: E731
+        cost_at = lambda c: self.cost_at(c, self.cost)  # noqa: E731
         here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
         new_choice = best_policy(counts, cost_at(here), self.aux_nodes(here), self.chain_limit, here)
         old_choice = self.plan.choices[_bucket(self.plan, context)]

@@ -122,14 +122,14 @@ PROBS = {(0,): 0.6, (1,): 0.2, (0, 0): 0.4, (0, 1): 0.1, (0, 0, 0): 0.25, (2,): 
 def online_tree() -> AdaptiveTreePlan:
     """tree=auto as the harness makes it (a plan that corrects itself from every row's steps), on synthetic inputs."""
     cost = curve()
-    return AdaptiveTreePlan(NodeStats(PROBS, steps=100), lambda c, scale=None: cost.at(c, None, scale), (16, 128),
+    return AdaptiveTreePlan(NodeStats(PROBS, steps=100), lambda c, correction=None: cost.at(c, None, correction), (16, 128),
                             every=4, prior_steps=2)
 
 
 def online_policy(aux_nodes: int) -> AdaptivePolicyPlan:
     cost = curve()
     counts = {0: {(0, 1): 30, (0, 0): 30}, 4: {(3, 1): 40, (0, 0): 10}}
-    return AdaptivePolicyPlan(counts, lambda c, scale=None: cost.at(c, None, scale), (16, 128),
+    return AdaptivePolicyPlan(counts, lambda c, correction=None: cost.at(c, None, correction), (16, 128),
                               aux_nodes=lambda c: aux_nodes, max_chain=6, every=4)
 
 

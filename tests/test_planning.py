@@ -11,7 +11,7 @@ from conftest import VOCAB, tiny_llama
 from methods.costs import CostCurve
 from methods.drafter import Drafter
 from methods.engine import Engine
-from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan
+from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan, CostCorrection
 from methods.recycling import TokenRecycling
 from methods.tree_search import NodeStats, StepOption, best_policy, best_tree
 
@@ -131,7 +131,7 @@ def test_online_correction_converges_to_the_best_fixed_tree_from_wrong_statistic
     deep = {(0,) * d: 0.95 ** d for d in range(1, 10)}  # statistics from a workload that copies long spans
     for wrong, name in ((NodeStats(deep, steps=400), "flattering"),
                         (NodeStats({p: 0.3 * v for p, v in PROBS.items()}, steps=400), "pessimistic")):
-        online = AdaptiveTreePlan(wrong, lambda c, scale=None: curve.at(c, None, scale), CONTEXTS, every=16)
+        online = AdaptiveTreePlan(wrong, lambda c, correction=None: curve.at(c, None, correction), CONTEXTS, every=16)
         first = online.trees[online.index(200)]
         final = truth.run(online, 3000)
         assert truth.speed(first) < 0.97 * truth.speed(best), name  # the wrong statistics started it elsewhere
@@ -143,7 +143,7 @@ def test_online_correction_learns_that_blocks_cost_more_than_calibrated():
     """The drafter's own per-step cost and a dearer large block (a CPU's caches): the plan shrinks its tree."""
     truth = Process(PROBS, lambda q: (steep_ms(q, 128) + 8 * (q - 1)) / 1000 * 1.1)
     curve = noisy_curve(spread=0.02, step=steep_ms)
-    online = AdaptiveTreePlan(NodeStats(PROBS, steps=400), lambda c, scale=None: curve.at(c, None, scale), CONTEXTS)
+    online = AdaptiveTreePlan(NodeStats(PROBS, steps=400), lambda c, correction=None: curve.at(c, None, correction), CONTEXTS)
     best = best_tree(NodeStats(PROBS), truth.cost).paths
     first, final = online.trees[online.index(200)], truth.run(online, 2000)
     assert len(first) > len(best) and truth.speed(final) >= 0.98 * truth.speed(best)
@@ -153,7 +153,7 @@ def test_online_correction_learns_that_blocks_cost_more_than_calibrated():
 def test_online_policy_correction_learns_the_runs_own_match_lengths():
     prior = {0: {(0, 0): 100}, 8: {(0, 0): 100}}  # the statistics saw long matches that never continued
     curve = noisy_curve(spread=0.02)
-    online = AdaptivePolicyPlan(prior, lambda c, scale=None: curve.at(c, None, scale), CONTEXTS,
+    online = AdaptivePolicyPlan(prior, lambda c, correction=None: curve.at(c, None, correction), CONTEXTS,
                                 aux_nodes=lambda c: 0, max_chain=8, every=16)
     assert online.option(200, 8).chain == 0
     for step in range(400):  # in this run they do: class 8 accepts 6 copied tokens
@@ -182,7 +182,7 @@ def test_a_plan_that_stopped_drafting_on_a_bad_start_drafts_again_from_its_shado
     cost = lambda q: steep_ms(q, 128) / 1000  # noqa: E731
     bad, good = Process({p: 0.1 * v for p, v in PROBS.items()}, cost, seed=1), Process(PROBS, cost, seed=2)
     best = best_tree(NodeStats(PROBS), cost).paths
-    online = AdaptiveTreePlan(NodeStats(PROBS, steps=400), lambda c, scale=None: curve.at(c, None, scale), CONTEXTS,
+    online = AdaptiveTreePlan(NodeStats(PROBS, steps=400), lambda c, correction=None: curve.at(c, None, correction), CONTEXTS,
                               every=16, memory=256)
     shadow = Shadow(PROBS)
     online.follow(shadow)
@@ -197,6 +197,42 @@ def test_a_plan_that_stopped_drafting_on_a_bad_start_drafts_again_from_its_shado
     assert online.changes[-1]["shadow_steps"] < 1500  # older evidence faded
 
 
+def test_a_gain_the_run_keeps_measuring_is_taken_though_the_calibration_could_not_tell_it():
+    """A calibration too noisy to tell a 6% gain (the plan drafts nothing: the cheaper choice within the noise);
+    the run times its own steps (a few percent of noise each) and the shadow scores the acceptance. Once the run
+    has timed the sizes it compares, their cost is its own, not the calibration's, and the plan drafts."""
+    probs = {(0,): 0.1, (0, 0): 0.03, (1,): 0.01}
+    rng = random.Random(3)
+    cost = lambda q: step_ms(q, 128) / 1000  # noqa: E731
+    noisy = lambda q: cost(q) * (1 + rng.uniform(-0.03, 0.03))  # noqa: E731 -- a run's step times
+    truth = Process(probs, noisy, seed=4)
+    best = best_tree(NodeStats(probs), cost).paths
+    curve = noisy_curve(spread=0.2)
+    online = AdaptiveTreePlan(NodeStats(probs, steps=2000), lambda c, correction=None: curve.at(c, None, correction),
+                              CONTEXTS, every=16)
+    assert best and online.trees[online.index(200)] == ()  # a gain the calibration cannot tell from noise
+    shadow = Shadow(probs)
+    online.follow(shadow)
+    for _ in range(3000):
+        tree = online.trees[online.index(200)]
+        shadow.score(truth.accepted(tuple(probs)))
+        online.observe(200, len(tree) + 1, noisy(len(tree) + 1), truth.accepted(tree))
+    final = online.trees[online.index(200)]
+    exact_speed = lambda tree: (1 + sum(probs.get(p, 0.0) for p in tree)) / cost(len(tree) + 1)  # noqa: E731
+    assert exact_speed(final) >= 0.98 * exact_speed(best)
+
+
+def test_the_runs_own_steps_narrow_a_sizes_cost_only_as_far_as_they_agree():
+    rng = random.Random(5)
+    steady, erratic = CostCorrection(), CostCorrection()
+    for _ in range(200):
+        steady.observe(5, 0.080, 0.080 * (1 + rng.uniform(-0.01, 0.01)))
+    for _ in range(3):
+        erratic.observe(5, 0.080, 0.080 * (1 + rng.uniform(-0.3, 0.3)))
+    assert steady.shrink(5, 0.03) < 0.05  # 200 steps within 1%: the calibration's +/-3% barely counts
+    assert erratic.shrink(5, 0.03) > 0.8 and steady.shrink(9, 0.03) == 1.0  # three erratic steps, or none
+
+
 def test_a_plan_that_changes_mid_answer_keeps_the_output_greedy():
     """Token Recycling with a self-correcting plan whose statistics are wrong on purpose: the tree changes while
     answering, the output stays greedy decoding's token for token."""
@@ -205,7 +241,7 @@ def test_a_plan_that_changes_mid_answer_keeps_the_output_greedy():
     greedy = Engine(model, set()).generate(prompt, Drafter(VOCAB), 60).output_ids
     curve = noisy_curve(spread=0.02, step=steep_ms)
     pessimistic = NodeStats({(0,) * d: 0.1 * 0.9 ** d for d in range(1, 9)} | {(1,): 0.02}, steps=1000)
-    online = AdaptiveTreePlan(pessimistic, lambda c, scale=None: curve.at(c, None, scale), CONTEXTS, every=4,
+    online = AdaptiveTreePlan(pessimistic, lambda c, correction=None: curve.at(c, None, correction), CONTEXTS, every=4,
                               prior_steps=2)
     first = online.trees[0]
     drafter = TokenRecycling(VOCAB, tree=online)
