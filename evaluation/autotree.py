@@ -104,8 +104,8 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
         aux_nodes = cls.aux_nodes(cfg.method, overrides)
         if cfg.autotree.online:
             overrides[policy] = AdaptivePolicyPlan(stats.counts, cost_at, calibration.contexts, aux_nodes, stats.score,
-                                                   {**sources, "online": True})
+                                                   {**sources, "online": True}, rows=batch)
         else:
             overrides[policy] = tree_search.policy_plan(stats.counts, cost_at, calibration.contexts, aux_nodes,
-                                                        stats.score, sources=sources)
+                                                        stats.score, sources=sources, rows=batch)
     return overrides

@@ -15,6 +15,8 @@ length is known. From these:
 from __future__ import annotations
 
 import math
+import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -24,6 +26,7 @@ from evaluation.analysis import OVERALL, SETUP_KEYS, Comparison
 from evaluation.categories import group_order
 from evaluation.store import Calibration, calibration_for_run
 from methods.costs import CostCurve, crossover, describe_crossover
+from methods.tree_search import batched_seconds
 
 MAX_DEPTH = 8
 MAX_RANK = 8
@@ -147,13 +150,20 @@ def cost_model(comparisons: Sequence[Comparison], calibration_dir: Path) -> pd.D
     }).reset_index()
 
 
-def predicted_speedup(steps: Sequence[tuple[int, int, list[int]]], curve: CostCurve) -> float:
+def predicted_speedup(steps: Sequence[tuple[int, int, list[int]]], curve: CostCurve, rows: int = 1) -> float:
     """The speedup over the baseline that a step cost ``curve`` predicts for a run's steps (context, tokens fed,
     accepted ranks): its tokens per calibrated second over one token per calibrated single-token step at the same
-    contexts. The forward's cost only: the drafter's and the engine's own time per step are left out."""
+    contexts. The forward's cost only: the drafter's and the engine's own time per step are left out. ``rows``
+    (the curve's batch size): a step feeds the largest of its rows' blocks, the rows drawn from these steps
+    (:func:`methods.tree_search.batched_seconds`, at their median context)."""
     tokens = sum(1 + len(ranks) for _, _, ranks in steps)
     seconds = sum(curve.seconds(fed, context) for context, fed, _ in steps)
     single = sum(curve.seconds(1, context) for context, _, _ in steps)
+    if rows > 1:
+        context = statistics.median(context for context, _, _ in steps)
+        shares = Counter(fed for _, fed, _ in steps)
+        at = lambda q: curve.seconds(q, context)  # noqa: E731
+        seconds *= batched_seconds(shares, at, rows) / batched_seconds(shares, at, 1)
     return tokens / seconds * single / len(steps)
 
 
@@ -174,7 +184,7 @@ def batch_prediction(comparisons: Sequence[Comparison], calibration_dir: Path) -
         calibration = calibration_for_run(c.run.meta, calibration_dir)
         if not found or calibration is None or len(calibration.batch_sizes) < 2:
             continue
-        speedups = {b: predicted_speedup(found, calibration.curve_at(b)) for b in calibration.batch_sizes}
+        speedups = {b: predicted_speedup(found, calibration.curve_at(b), b) for b in calibration.batch_sizes}
         pays, loses = crossover(speedups)
         rows.append({**dict(zip([*SETUP_KEYS, "platform", "series"], key)), "from_batch_size": c.run.batch_size,
                      "predicted": speedups, "pays_up_to": pays, "loses_from": loses,

@@ -34,7 +34,7 @@ import torch
 
 from methods.costs import ContextCost
 from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, ShadowTree, TreePlan,
-                                 best_policy, best_tree, plan, policy_plan)
+                                 batched_seconds, best_policy, best_tree, plan, policy_plan)
 
 
 class CostCorrection:
@@ -265,14 +265,14 @@ class AdaptivePolicyPlan:
 
     def __init__(self, counts: ClassCounts, cost_at: CostAt, contexts: Sequence[int], aux_nodes: Callable[[int], int],
                  max_chain: int, sources: dict | None = None, every: int = 32, prior_steps: float = 64.0,
-                 hysteresis: float = 0.02):
+                 hysteresis: float = 0.02, rows: int = 1):
         self.counts = {k: dict(t) for k, t in counts.items()}
         total = sum(sum(t.values()) for t in self.counts.values())
         self.weight = min(1.0, prior_steps / total) if total else 1.0  # the offline counts as ``prior_steps`` steps
         self.cost_at, self.contexts, self.aux_nodes, self.chain_limit = cost_at, tuple(contexts), aux_nodes, max_chain
-        self.every, self.hysteresis = every, hysteresis
+        self.every, self.hysteresis, self.rows = every, hysteresis, rows  # a batch's rows: its block is their largest
         self.initial = self.plan = policy_plan(counts, lambda c: cost_at(c, None), contexts, aux_nodes, max_chain,
-                                               sources)
+                                               sources, rows)
         self.sources = self.initial.sources
         self.cost = CostCorrection()
         self.run: dict[int, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
@@ -312,15 +312,16 @@ class AdaptivePolicyPlan:
                     counts[klass][cell] += weight * n
         cost_at = lambda c: self.cost_at(c, self.cost)  # noqa: E731
         here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
-        new_choice = best_policy(counts, cost_at(here), self.aux_nodes(here), self.chain_limit, here)
+        new_choice = best_policy(counts, cost_at(here), self.aux_nodes(here), self.chain_limit, here, rows=self.rows)
         old_choice = self.plan.choices[_bucket(self.plan, context)]
         if new_choice.options == old_choice.options:
             return
         gain = new_choice.tokens_per_s / _policy_speed(old_choice.options, counts, cost_at(here),
-                                                       self.aux_nodes(here)) - 1
+                                                       self.aux_nodes(here), self.rows) - 1
         if gain <= self.hysteresis:
             return
-        self.plan = policy_plan(counts, cost_at, self.contexts, self.aux_nodes, self.chain_limit, self.sources)
+        self.plan = policy_plan(counts, cost_at, self.contexts, self.aux_nodes, self.chain_limit, self.sources,
+                                self.rows)
         self.version += 1
         self.changes.append({"step": self.steps, "context": context, "to": new_choice.describe()["by_class"],
                              "predicted_gain": round(gain, 4), "cost": self.cost.describe()})
@@ -334,14 +335,16 @@ def _bucket(plan: PolicyPlan | TreePlan, context: int) -> int:
     return bisect.bisect_right(plan.bounds, context)
 
 
-def _policy_speed(options: Sequence, counts: ClassCounts, cost: ContextCost, aux_nodes: int) -> float:
-    """Expected tokens per second of a per-class policy under ``counts`` and ``cost``."""
-    tokens = seconds = total = 0.0
+def _policy_speed(options: Sequence, counts: ClassCounts, cost: ContextCost, aux_nodes: int, rows: int = 1) -> float:
+    """Expected tokens per second (per row) of a per-class policy under ``counts`` and ``cost`` (a step over
+    ``rows`` rows, its block the largest of theirs)."""
+    tokens = total = 0.0
+    shares: dict[int, float] = defaultdict(float)
     for klass, table in counts.items():
         option = options[min(klass, len(options) - 1)]
         size = 1 + option.chain + (aux_nodes if option.aux else 0)
         for (c, a), n in table.items():
             tokens += n * (1 + max(min(c, option.chain), a if option.aux else 0))
-            seconds += n * cost.seconds(size)
+            shares[size] += n
             total += n
-    return tokens / seconds if seconds else 1 / cost.seconds(1)
+    return tokens / total / batched_seconds(shares, cost.seconds, rows) if total else 1 / cost.seconds(1)

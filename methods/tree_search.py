@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
@@ -410,7 +411,7 @@ ClassCounts = Mapping[int, Mapping[tuple[int, int], int]]  # class -> (chain dep
 
 
 def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_nodes: int, max_chain: int,
-                context: int = 0, confidence: float = CONFIDENCE) -> PolicyChoice:
+                context: int = 0, confidence: float = CONFIDENCE, rows: int = 1) -> PolicyChoice:
     """The option per class maximising tokens per second over all steps (Dinkelbach's method), then, class by
     class, the cheapest option that the best one does not beat by more than the uncertainty.
 
@@ -422,6 +423,12 @@ def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_n
     cheaper one unless its ``E - r T`` is higher in ``confidence`` of the replicates: of the step times (where
     ``step_seconds`` has them) and of the two options' accepted tokens on the same steps (paired, from the
     class's counts). Where the whole policy does not beat drafting nothing, it drafts nothing.
+
+    ``rows`` > 1 (a batch, ``step_seconds`` its step over that many rows): a step's block is the largest of its
+    rows' (the engine pads every row's to it), so one row's long chain costs every row's step, and the classes are
+    no longer independent. There the policy is chosen among the one above and, for every block size, the policies
+    that keep every class within it (the above cut to it, or every class its most accepted option within it), by
+    the step time of rows whose classes are drawn as often as the statistics saw them (:func:`batched_seconds`).
     """
     reps = _replicates(step_seconds)
     base, base_b = step_seconds(1), reps(1)
@@ -460,21 +467,81 @@ def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_n
         clearly = np.mean(gain > 0, axis=1) >= confidence
         cheaper = [o for o in np.argsort(seconds_v, kind="stable") if seconds_v[o] < seconds_v[best]]
         pick[klass] = next((int(o) for o in cheaper if not clearly[o]), best)
+    freq = {k: w / total for k, w in weight.items()} if total else {}
+    if rows > 1 and total:
+        pick = _batch_pick(pick, freq, tokens_v, per_step, cells, weight, size, step_seconds, rows, noise, confidence)
     chosen = {k: options[o] for k, o in pick.items()}
     tokens = {(k, options[o]): float(tokens_v[k][o]) for k in counts for o in range(len(options))}
-    seconds = {options[o]: float(seconds_v[o]) for o in range(len(options))}
-    seconds_b = {options[o]: seconds_bv[o] for o in range(len(options))}
-    return _policy_choice(chosen, counts, weight, tokens, seconds, seconds_b, base, base_b, context, confidence)
+    index = {o: i for i, o in enumerate(options)}
+
+    def step_time(picked: Mapping[int, StepOption]) -> tuple[float, np.ndarray]:
+        shares = _shares({k: index[o] for k, o in picked.items()}, freq, size)
+        return float(batched_seconds(shares, step_seconds, rows)), batched_seconds(shares, reps, rows)
+    return _policy_choice(chosen, weight, tokens, step_time, base, base_b, context, confidence)
 
 
-def _policy_choice(chosen: dict, counts: ClassCounts, weight: dict, tokens: dict, seconds: dict, seconds_b: dict,
+def batched_seconds(shares: Mapping[int, float], seconds: Callable[[int], float | np.ndarray],
+                    rows: int) -> float | np.ndarray:
+    """The mean time of a step over ``rows`` rows whose blocks are drawn independently, ``shares`` being how often
+    each block size is drawn, and whose step feeds the largest of them (the engine pads every row's block to it):
+    ``sum_s T(s) (F(s)^rows - F(s-)^rows)``, ``F(s)`` the share of blocks of at most ``s`` (``rows=1``: the mean
+    block's time). ``seconds``: a block's time, or its replicates."""
+    total, below, out = sum(shares.values()), 0.0, 0.0
+    for block in sorted(shares):
+        upto = min(below + shares[block] / total, 1.0)
+        out = out + seconds(block) * (upto ** rows - below ** rows)
+        below = upto
+    return out
+
+
+def _shares(pick: Mapping[int, int], freq: Mapping[int, float], size: Sequence[int]) -> dict[int, float]:
+    """Block size -> share of steps, for the option index per class ``pick``."""
+    shares: dict[int, float] = defaultdict(float)
+    for klass, option in pick.items():
+        shares[size[option]] += freq[klass]
+    return shares
+
+
+def _batch_pick(pick: dict[int, int], freq: Mapping[int, float], tokens_v: Mapping[int, np.ndarray],
+                per_step: Mapping[int, np.ndarray], cells: Mapping[int, np.ndarray], weight: Mapping[int, float],
+                size: Sequence[int], step_seconds: Callable[[int], float], rows: int, noise: np.ndarray,
+                confidence: float) -> dict[int, int]:
+    """The option per class for a batch of ``rows`` rows (:func:`best_policy`): among the candidates, the cheapest
+    one that the fastest does not beat in ``confidence`` of the replicates (step times and accepted tokens)."""
+    candidates = [pick]
+    for block in sorted(set(size)):
+        within = [o for o in range(len(size)) if size[o] <= block]
+        fill = {k: max(within, key=lambda o: (tokens_v[k][o], -size[o])) for k in pick}
+        candidates += [fill, {k: o if size[o] <= block else fill[k] for k, o in pick.items()}]
+    total = sum(weight.values())
+    tokens, spread, seconds, seconds_b = [], [], [], []
+    for candidate in candidates:
+        mean = sum(freq[k] * tokens_v[k][o] for k, o in candidate.items())
+        square = sum(per_step[k][o] ** 2 @ cells[k] for k, o in candidate.items()) / total
+        tokens.append(mean)
+        spread.append(math.sqrt(max(square - mean * mean, 0.0) / total))
+        shares = _shares(candidate, freq, size)
+        seconds.append(float(batched_seconds(shares, step_seconds, rows)))
+        seconds_b.append(batched_seconds(shares, _replicates(step_seconds), rows))
+    tokens_a, seconds_a = np.array(tokens), np.array(seconds)
+    speed = tokens_a / seconds_a
+    speed_b = np.maximum(tokens_a[:, None] + noise[None, :] * np.array(spread)[:, None], 1.0) / np.stack(seconds_b)
+    fastest = int(np.argmax(speed))
+    beaten = np.mean(speed_b[fastest][None, :] > speed_b, axis=1) >= confidence
+    beaten[fastest] = False
+    allowed = np.flatnonzero(~beaten)
+    return candidates[int(allowed[np.lexsort((-speed[allowed], seconds_a[allowed]))[0]])]
+
+
+def _policy_choice(chosen: dict, weight: dict, tokens: dict,
+                   step_time: Callable[[Mapping[int, StepOption]], tuple[float, np.ndarray]],
                    base: float, base_b: np.ndarray, context: int, confidence: float) -> PolicyChoice:
-    """The policy of ``chosen`` options with its prediction; none at all where it does not beat drafting nothing."""
+    """The policy of ``chosen`` options with its prediction (``step_time``: its mean step, point and replicates);
+    none at all where it does not beat drafting nothing."""
     total = sum(weight.values())
     none = StepOption(False, 0)
     expected = sum(weight[k] * tokens[k, o] for k, o in chosen.items()) / total if total else 1.0
-    step = sum(weight[k] * seconds[o] for k, o in chosen.items()) / total if total else base
-    step_b = sum(weight[k] * seconds_b[o] for k, o in chosen.items()) / total if total else base_b
+    step, step_b = step_time(chosen) if total else (base, base_b)
     speedup_b = expected / step_b * base_b
     if any(o != none for o in chosen.values()) and np.mean(speedup_b > 1) < confidence:
         chosen = dict.fromkeys(chosen, none)  # no gain beyond the noise: draft nothing
@@ -490,12 +557,13 @@ def _policy_choice(chosen: dict, counts: ClassCounts, weight: dict, tokens: dict
 
 
 def policy_plan(counts: ClassCounts, cost_at: Callable[[int], Callable[[int], float]], contexts: Sequence[int],
-                aux_nodes: Callable[[int], int], max_chain: int, sources: dict | None = None) -> PolicyPlan:
+                aux_nodes: Callable[[int], int], max_chain: int, sources: dict | None = None,
+                rows: int = 1) -> PolicyPlan:
     """A policy per calibrated context (``cost_at(context)``: the step cost there; the auxiliary tree's size
-    there: ``aux_nodes(context)``)."""
+    there: ``aux_nodes(context)``; ``rows``: the batch's, whose step ``cost_at`` times)."""
     contexts = sorted(set(contexts))
     if not contexts:
         raise ValueError("a policy plan needs at least one calibrated context length")
-    choices = [best_policy(counts, cost_at(c), aux_nodes(c), max_chain, c) for c in contexts]
+    choices = [best_policy(counts, cost_at(c), aux_nodes(c), max_chain, c, rows=rows) for c in contexts]
     merged, kept = _buckets(contexts, choices, lambda choice: choice.options)
     return PolicyPlan(choices=merged, bounds=kept, sources=dict(sources or {}))

@@ -168,6 +168,13 @@ def test_the_predicted_crossover_uses_the_calibrated_step_over_b_rows(tmp_path):
     run_steps = [(20, 8, [0, 0])] * 10  # 8 tokens fed, 3 emitted a step
     assert steps.predicted_speedup(run_steps, flat) == pytest.approx(3 * 10 / 13.5)
     assert steps.predicted_speedup(run_steps, steep) < 1
+    # at B rows a step feeds its largest row's block: a quarter of the steps drafting 7 tokens make most 4-row steps
+    mixed = [(20, 8, [0] * 4)] * 5 + [(20, 1, [])] * 15
+    t1, t8 = steep.seconds(1, 20), steep.seconds(8, 20)
+    alone = (0.75 * t1 + 0.25 * t8)
+    batched = 0.75 ** 4 * t1 + (1 - 0.75 ** 4) * t8
+    assert steps.predicted_speedup(mixed, steep, rows=4) == pytest.approx(
+        steps.predicted_speedup(mixed, steep) * alone / batched)
 
 
 def test_the_batch_experiment_sweeps_b_in_interleaved_runs():

@@ -11,9 +11,9 @@ from conftest import VOCAB, tiny_llama
 from methods.costs import CostCurve
 from methods.drafter import Drafter
 from methods.engine import Engine
-from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan, CostCorrection
+from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan, CostCorrection, _policy_speed
 from methods.recycling import TokenRecycling
-from methods.tree_search import NodeStats, StepOption, best_policy, best_tree
+from methods.tree_search import NodeStats, StepOption, batched_seconds, best_policy, best_tree
 
 SIZES = tuple(range(1, 17))
 CONTEXTS = (128, 512)
@@ -83,6 +83,29 @@ def test_a_policy_option_wins_only_beyond_the_noise():
     assert policy.option(8).chain >= 4  # a long match pays beyond doubt
     naive = best_policy(counts, noisy, aux_nodes=0, max_chain=8, confidence=0.0)
     assert naive.tokens_per_s >= policy.tokens_per_s * 0.99  # the cheaper choice costs (almost) nothing
+
+
+def test_a_batch_pays_for_its_longest_row_so_a_policy_for_eight_rows_cuts_its_long_chains():
+    """One row's long chain makes every row's step a long one (the engine pads every block to the largest): a
+    policy chosen as if every row paid for its own block lost 27% at 8 rows. 20% of steps match long spans that
+    accept 12 tokens; the rest accept nothing."""
+    counts = {0: {(0, 0): 800}, 8: {(12, 0): 200}}
+    cost = lambda q: (60 + 20 * (q - 1)) / 1000  # noqa: E731 -- a step over the batch's rows
+    one, two, eight = (best_policy(counts, cost, aux_nodes=0, max_chain=12, rows=rows) for rows in (1, 2, 8))
+    assert one.option(8).chain == 12 and two.option(8).chain == 12  # 1 or 2 rows: the long chain pays
+    assert all(o.chain == 0 for o in eight.options)  # 8 rows: 83% of steps would pay for a 13-token block
+    as_if_alone = _policy_speed(one.options, counts, AtContext(cost), 0, rows=8)
+    assert as_if_alone < 0.8 * eight.tokens_per_s  # the policy chosen as for one row loses there
+    rng = random.Random(6)  # the mean step of 8 rows whose classes are drawn as the counts say: the largest block's
+    drawn = [max(13 if rng.random() < 0.2 else 1 for _ in range(8)) for _ in range(20000)]
+    assert abs(batched_seconds({1: 0.8, 13: 0.2}, cost, 8) / (sum(map(cost, drawn)) / len(drawn)) - 1) < 0.01
+
+
+class AtContext:
+    """A step cost as plans read it at one context (``seconds``), from a function of the block size."""
+
+    def __init__(self, cost):
+        self.seconds = cost
 
 
 class Process:
