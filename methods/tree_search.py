@@ -472,12 +472,10 @@ def best_policy(counts: ClassCounts, step_seconds: Callable[[int], float], aux_n
         pick = _batch_pick(pick, freq, tokens_v, per_step, cells, weight, size, step_seconds, rows, noise, confidence)
     chosen = {k: options[o] for k, o in pick.items()}
     tokens = {(k, options[o]): float(tokens_v[k][o]) for k in counts for o in range(len(options))}
-    index = {o: i for i, o in enumerate(options)}
-
-    def step_time(picked: Mapping[int, StepOption]) -> tuple[float, np.ndarray]:
-        shares = _shares({k: index[o] for k, o in picked.items()}, freq, size)
-        return float(batched_seconds(shares, step_seconds, rows)), batched_seconds(shares, reps, rows)
-    return _policy_choice(chosen, weight, tokens, step_time, base, base_b, context, confidence)
+    shares = _shares(pick, freq, size)
+    step = (float(batched_seconds(shares, step_seconds, rows)), batched_seconds(shares, reps, rows)) if total else \
+        (base, base_b)
+    return _policy_choice(chosen, weight, tokens, step, base, base_b, context, confidence)
 
 
 def batched_seconds(shares: Mapping[int, float], seconds: Callable[[int], float | np.ndarray],
@@ -533,15 +531,14 @@ def _batch_pick(pick: dict[int, int], freq: Mapping[int, float], tokens_v: Mappi
     return candidates[int(allowed[np.lexsort((-speed[allowed], seconds_a[allowed]))[0]])]
 
 
-def _policy_choice(chosen: dict, weight: dict, tokens: dict,
-                   step_time: Callable[[Mapping[int, StepOption]], tuple[float, np.ndarray]],
-                   base: float, base_b: np.ndarray, context: int, confidence: float) -> PolicyChoice:
-    """The policy of ``chosen`` options with its prediction (``step_time``: its mean step, point and replicates);
+def _policy_choice(chosen: dict, weight: dict, tokens: dict, step: tuple[float, np.ndarray], base: float,
+                   base_b: np.ndarray, context: int, confidence: float) -> PolicyChoice:
+    """The policy of ``chosen`` options with its prediction (``step``: its mean step time and its replicates);
     none at all where it does not beat drafting nothing."""
     total = sum(weight.values())
     none = StepOption(False, 0)
     expected = sum(weight[k] * tokens[k, o] for k, o in chosen.items()) / total if total else 1.0
-    step, step_b = step_time(chosen) if total else (base, base_b)
+    step, step_b = step
     speedup_b = expected / step_b * base_b
     if any(o != none for o in chosen.values()) and np.mean(speedup_b > 1) < confidence:
         chosen = dict.fromkeys(chosen, none)  # no gain beyond the noise: draft nothing
