@@ -253,7 +253,8 @@ class BatchEngine:
                 states = [out.hidden_states[i][s, : shape.size] for i in hidden_layers]
                 hidden = states[0] if len(states) == 1 else torch.cat(states, -1)
             steps[s] = Step(position=start_at, shape=shape, tokens=blocks[s], logits=logits, predictions=pred,
-                            accepted=path, path_ranks=ranks, emitted=emitted, hidden_states=hidden, fed=size)
+                            accepted=path, path_ranks=ranks, emitted=emitted, hidden_states=hidden, fed=size,
+                            rows=len(slots))
         if moves:
             self.cache.move(*(torch.cat(parts) for parts in zip(*moves)))
         self.cache.commit(max(self.lengths))

@@ -40,6 +40,7 @@ class Step:
     hidden_states: torch.Tensor | None  # [size, len(hidden_layers) x hidden]: the layers the drafter asked for
     fed: int = 0  # tokens fed to the forward (the block and its padding)
     seconds: float = 0.0  # wall time of the step as the engine ran it (propose, forward, acceptance, KV compaction)
+    rows: int = 1  # the rows of a batch this forward verified: each of them reports the same step (and seconds)
 
 
 class Drafter:

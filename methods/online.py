@@ -56,13 +56,16 @@ class CostCorrection:
     def _x(fed: int) -> float:
         return (fed - 1) / 16
 
-    def observe(self, fed: int, predicted: float, measured: float) -> None:
+    def observe(self, fed: int, predicted: float, measured: float, weight: float = 1.0) -> None:
+        """One step's time; ``weight``: the share of the step this observation is (each of a batch's B rows reports
+        the same step: 1 / B), so that a step counts once however many rows report it."""
         if predicted > 0 and measured > 0:
             x, y = self._x(fed), math.log(measured / predicted)
-            self.n, self.sx, self.sxx, self.sy, self.sxy = (self.n + 1, self.sx + x, self.sxx + x * x, self.sy + y,
-                                                            self.sxy + x * y)
+            w = weight
+            self.n, self.sx, self.sxx, self.sy, self.sxy = (self.n + w, self.sx + w * x, self.sxx + w * x * x,
+                                                            self.sy + w * y, self.sxy + w * x * y)
             own = self.by_size[fed]
-            own[0], own[1], own[2] = own[0] + 1, own[1] + y, own[2] + y * y
+            own[0], own[1], own[2] = own[0] + w, own[1] + w * y, own[2] + w * y * y
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) of the ridge fit."""
@@ -82,14 +85,14 @@ class CostCorrection:
         its ``n`` steps there (their variance ``v`` over ``n``), as a share of the calibration's: ``sqrt((v / n) /
         (v / n + spread**2))``; 1 for a size fed fewer than twice."""
         n, total, squares = self.by_size.get(fed, (0, 0.0, 0.0))
-        if n < 2 or spread <= 0:
+        if n < 2 - 1e-9 or spread <= 0:
             return 1.0
         variance = max(squares - total * total / n, 0.0) / (n - 1)
         return math.sqrt(variance / (variance + n * spread * spread))
 
     def describe(self) -> dict:
         return {"by_fed_size": {str(q): round(self.factor(q), 4) for q in sorted(self.by_size)},
-                "steps_by_fed_size": {str(q): own[0] for q, own in sorted(self.by_size.items())}}
+                "steps_by_fed_size": {str(q): round(own[0], 2) for q, own in sorted(self.by_size.items())}}
 
 
 CostAt = Callable[[int, CostCorrection | None], ContextCost]  # (context, the run's correction) -> the cost there
@@ -110,7 +113,8 @@ class AdaptiveTreePlan:
         self.accepted: dict[int, float] = defaultdict(float)  # per depth: accepted nodes of the verified trees
         self.predicted: dict[int, float] = defaultdict(float)  # per depth: what the statistics predicted for them
         self.verified: dict[int, int] = defaultdict(int)  # per depth: steps whose tree reached it
-        self.steps = self.drafting = 0
+        self.steps = self.drafting = 0  # the rows' steps (a batch's step counts once per row)
+        self.elapsed = self._replanned = 0.0  # the steps of the batch (of the one sequence at batch size 1)
         self.shadows: list[ShadowTree] = []  # candidate trees scored beside every step (one per row of a batch)
         self.memory = memory
         self.evidence: dict[RankPath, float] = {}  # per candidate node: the shadows' fading count of its acceptance
@@ -143,12 +147,16 @@ class AdaptiveTreePlan:
     def describe(self) -> dict:
         return self.initial.describe()
 
-    def observe(self, context: int, fed: int, seconds: float, ranks: Sequence[int]) -> None:
+    def observe(self, context: int, fed: int, seconds: float, ranks: Sequence[int], share: float = 1.0) -> None:
         """One step at ``context`` (prompt + output before it) that fed ``fed`` tokens, took ``seconds`` and
-        accepted the draft nodes of sibling ranks ``ranks`` (by depth) from the tree the plan gave there."""
+        accepted the draft nodes of sibling ranks ``ranks`` (by depth) from the tree the plan gave there.
+        ``share``: 1 / the rows of a batch that verified the step: each row's acceptance is its own, but the step's
+        time is counted once, and the plan is re-made every ``every`` steps of the batch, not of each row (a
+        re-plan costs milliseconds: at 8 rows, every 32 rows' steps made it 2% of a step)."""
         tree = self.trees[self.plan.index(context)]
-        self.cost.observe(fed, self.cost_at(context, None).curve.seconds(fed, context), seconds)
+        self.cost.observe(fed, self.cost_at(context, None).curve.seconds(fed, context), seconds, share)
         self.steps += 1
+        self.elapsed += share
         if tree:
             self.drafting += 1
             for path in tree:
@@ -157,7 +165,8 @@ class AdaptiveTreePlan:
                 self.verified[depth] += 1
             for depth in range(1, len(ranks) + 1):
                 self.accepted[depth] += 1
-        if self.steps % self.every == 0:
+        if self.elapsed >= self._replanned + self.every - 1e-9:
+            self._replanned = self.elapsed
             self._replan(context)
 
     def follow(self, shadow: ShadowTree) -> None:
@@ -276,9 +285,9 @@ class AdaptivePolicyPlan:
         self.sources = self.initial.sources
         self.cost = CostCorrection()
         self.run: dict[int, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
-        self.steps, self.version, self.changes, self._reported = 0, 0, [], 0
+        self.steps, self.version, self.changes, self._reported = 0.0, 0, [], 0  # steps of the batch
         self.scores = max_chain  # SAM scores its chain up to this length at every step, for observe_scored
-        self._replanned = 0  # the step of the last re-plan
+        self._replanned = 0.0  # the step of the last re-plan
 
     def option(self, context: int, klass: int):
         return self.plan.option(context, klass)
@@ -291,14 +300,16 @@ class AdaptivePolicyPlan:
     def describe(self) -> dict:
         return self.initial.describe()
 
-    def observe_cost(self, context: int, fed: int, seconds: float) -> None:
-        self.cost.observe(fed, self.cost_at(context, None).curve.seconds(fed, context), seconds)
-        self.steps += 1
+    def observe_cost(self, context: int, fed: int, seconds: float, share: float = 1.0) -> None:
+        """A step's cost; ``share`` as for :meth:`AdaptiveTreePlan.observe` (the step counted once; re-planned every
+        ``every`` steps of the batch)."""
+        self.cost.observe(fed, self.cost_at(context, None).curve.seconds(fed, context), seconds, share)
+        self.steps += share
 
     def observe_scored(self, klass: int, chain: int, aux: int, context: int) -> None:
         """One step scored once its continuation was known (SAM's ``score``)."""
         self.run[klass][chain, aux] += 1
-        if self.steps >= self._replanned + self.every:
+        if self.steps >= self._replanned + self.every - 1e-9:
             self._replan(context)
 
     def _replan(self, context: int) -> None:
@@ -323,7 +334,7 @@ class AdaptivePolicyPlan:
         self.plan = policy_plan(counts, cost_at, self.contexts, self.aux_nodes, self.chain_limit, self.sources,
                                 self.rows)
         self.version += 1
-        self.changes.append({"step": self.steps, "context": context, "to": new_choice.describe()["by_class"],
+        self.changes.append({"step": round(self.steps, 2), "context": context, "to": new_choice.describe()["by_class"],
                              "predicted_gain": round(gain, 4), "cost": self.cost.describe()})
 
     def report(self) -> dict:

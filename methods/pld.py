@@ -108,7 +108,7 @@ class PromptLookup(Drafter):
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), chain(length))
 
     def observe(self, step: Step) -> None:
-        self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks)
+        self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks, 1 / step.rows)
 
     def finish(self) -> dict:
         return self.plan.report()

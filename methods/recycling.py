@@ -131,7 +131,7 @@ class TokenRecycling(Drafter):
         return {**(self.shadow.finish() if self.shadow is not None else {}), **self.plan.report()}
 
     def observe(self, step: Step) -> None:
-        self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks)
+        self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks, 1 / step.rows)
         if self.shadow is not None:
             self.shadow.emitted(step.emitted)
         n1 = step.shape.n_nodes

@@ -372,7 +372,7 @@ class SamDecoding(Drafter):
         if self.aux is not None:  # whichever draft was verified: the matrix learns from every forward
             self.aux.observe(step)
         if self.policy is not None:
-            self.policy.observe_cost(step.position + 1, step.fed, step.seconds)
+            self.policy.observe_cost(step.position + 1, step.fed, step.seconds, 1 / step.rows)
         if self.score:
             self._stream += step.emitted
             self._score_pending(final=False)

@@ -133,8 +133,9 @@ class TreePlan:
     def trees(self) -> list[tuple[RankPath, ...]]:
         return [c.paths for c in self.choices]
 
-    def observe(self, context: int, fed: int, seconds: float, ranks: Sequence[int]) -> None:
-        """A step made with this plan (a fixed plan learns nothing; methods.online's does)."""
+    def observe(self, context: int, fed: int, seconds: float, ranks: Sequence[int], share: float = 1.0) -> None:
+        """A step made with this plan (a fixed plan learns nothing; methods.online's does); ``share``: the part of
+        the step this row is (1 / the rows of a batch that verified it)."""
 
     def follow(self, shadow: ShadowTree) -> None:
         """A candidate tree the drafter scores in the shadow of every step (a fixed plan ignores it;
@@ -388,8 +389,8 @@ class PolicyPlan:
     def option(self, context: int, klass: int) -> StepOption:
         return self.choices[bisect.bisect_right(self.bounds, context)].option(klass)
 
-    def observe_cost(self, context: int, fed: int, seconds: float) -> None:
-        """A step's cost (a fixed policy learns nothing; methods.online's does)."""
+    def observe_cost(self, context: int, fed: int, seconds: float, share: float = 1.0) -> None:
+        """A step's cost (a fixed policy learns nothing; methods.online's does); ``share`` as for a TreePlan."""
 
     def observe_scored(self, klass: int, chain: int, aux: int, context: int) -> None:
         """A step scored against its continuation: how deep the chain and the auxiliary draft were accepted."""

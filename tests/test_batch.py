@@ -4,6 +4,7 @@ at batch size 1, whatever the other rows hold, for every method, with continuous
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -12,7 +13,7 @@ from test_engine import RandomTrees
 from evaluation.host_syncs import HostSyncs
 from methods.batch import BatchEngine, BatchUnsupported, Request, run_batch
 from methods.costs import CostCurve
-from methods.drafter import Drafter
+from methods.drafter import Drafter, Step
 from methods.eagle import Eagle
 from methods.engine import Engine
 from methods.lookahead import Lookahead
@@ -193,6 +194,25 @@ def test_a_forward_skips_the_idle_rows_after_the_last_busy_one():
     finally:
         hook.remove()
     assert max(fed) == 3
+
+
+class RowsSeen(Drafter):
+    """Records the rows every step it observes was shared by (a class list: every fork appends to the same)."""
+
+    seen: list[int] = []
+
+    def observe(self, step: Step) -> None:
+        self.seen.append(step.rows)
+
+
+def test_every_row_of_a_step_is_told_how_many_rows_shared_it():
+    """A plan counts a batch's step once (its time is the same step for every row): each of the r busy rows of a
+    step reports rows = r."""
+    RowsSeen.seen = []
+    qs = [([1, 2, 3], 12), ([9, 8], 5), ([5, 5, 5, 5], 20)]
+    batched(BatchEngine(Engine(MODELS["llama"], EOS), 4), qs, RowsSeen(VOCAB, DEVICE))
+    counts = Counter(RowsSeen.seen)
+    assert counts[3] and set(counts) <= {1, 2, 3} and all(n % rows == 0 for rows, n in counts.items())
 
 
 def test_a_request_that_fails_goes_back_to_its_session_and_the_others_go_on():

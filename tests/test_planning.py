@@ -256,6 +256,36 @@ def test_the_runs_own_steps_narrow_a_sizes_cost_only_as_far_as_they_agree():
     assert erratic.shrink(5, 0.03) > 0.8 and steady.shrink(9, 0.03) == 1.0  # three erratic steps, or none
 
 
+def test_a_batch_step_that_every_row_reports_counts_once():
+    """B rows report the same step (its fed size and seconds): the cost correction, its precision and the re-plan
+    cadence are those of one step, not of B independent ones (which would take the calibration's uncertainty away
+    sqrt(B) times too fast and re-plan B times as often)."""
+    rng = random.Random(7)
+    times = [0.080 * (1 + rng.uniform(-0.05, 0.05)) for _ in range(40)]
+    alone, batch = CostCorrection(), CostCorrection()
+    for t in times:
+        alone.observe(5, 0.080, t)
+        for _ in range(8):
+            batch.observe(5, 0.080, t, 1 / 8)
+    assert abs(batch.factor(5) - alone.factor(5)) < 1e-9 and abs(batch.shrink(5, 0.03) - alone.shrink(5, 0.03)) < 1e-9
+
+    curve = noisy_curve(spread=0.02, step=steep_ms)
+    for rows in (1, 8):
+        plan = AdaptiveTreePlan(NodeStats(PROBS, steps=400), lambda c, correction=None: curve.at(c, None, correction),
+                                CONTEXTS, every=16)
+        replans: list[int] = []
+        plan._replan = replans.append  # count the re-plans (each takes milliseconds)
+        for _ in range(160):  # 160 steps of the batch, each reported by every row
+            for _ in range(rows):
+                plan.observe(200, 1, steep_ms(1, 128) / 1000, [], 1 / rows)
+        assert len(replans) == 10 and plan.steps == rows * 160
+    policy = AdaptivePolicyPlan({0: {(0, 0): 100}}, lambda c, correction=None: curve.at(c, None, correction), CONTEXTS,
+                                aux_nodes=lambda c: 0, max_chain=8, every=16, rows=8)
+    for _ in range(160 * 8):
+        policy.observe_cost(200, 1, steep_ms(1, 128) / 1000, 1 / 8)
+    assert policy.steps == 160 and policy.cost.describe()["steps_by_fed_size"] == {"1": 160}
+
+
 def test_a_plan_that_changes_mid_answer_keeps_the_output_greedy():
     """Token Recycling with a self-correcting plan whose statistics are wrong on purpose: the tree changes while
     answering, the output stays greedy decoding's token for token."""

@@ -156,7 +156,7 @@ class Eagle(Drafter):
 
     def observe(self, step: Step) -> None:
         if self.plan is not None:
-            self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks)
+            self.plan.observe(step.position + 1, step.fed, step.seconds, step.path_ranks, 1 / step.rows)
         # the features of the root and the accepted nodes whose next token was emitted (a stop may cut some),
         # and those next tokens, taken on the device: the accepted nodes and the bonus token
         n = len(step.emitted)
