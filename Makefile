@@ -190,8 +190,10 @@ bench-loop: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) -m evaluation.gpu_check --device $(DEVICE) --out $(GPU_CHECK_DIR) $(GPU_CHECK_ARGS)
 
+# --durations: the slowest tests at the end of every run, so that the suite's time (under 15 minutes on a
+# 2-core CPU) is watched where it grows.
 test: $(STAMP) data
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations=15
 
 clean-venv:
 	rm -rf $(VENV)

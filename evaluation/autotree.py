@@ -91,12 +91,12 @@ def resolve(cfg: DictConfig, device: torch.device, dtype: torch.dtype, questions
                 draft = lambda context: DraftCost(*(batch * v for v in astuple(drafting.cost(context))))  # noqa: E731
         if cfg.autotree.online and not cls.tree_owner:
             overrides[param] = AdaptiveTreePlan(stats.stats, cost_at, calibration.contexts, {**sources, "online": True},
-                                                draft)
+                                                draft, rows=batch)
             if cls.shadow_param and cfg.method.get(cls.shadow_param) is None:  # exact acceptance, drafting or not
                 overrides[cls.shadow_param] = cls.candidate_tree
         else:
             overrides[param] = tree_search.plan(stats.stats, cost_at, calibration.contexts, sources=sources,
-                                                draft=draft)
+                                                draft=draft, rows=batch)
     if policy_auto:
         stats, stats_path = store.find_statistics(cfg, cfg.method, dtype_name, questions, policy=True)
         sources = {"calibration": str(calibration_path), "policy_statistics": str(stats_path), "padded": padded,

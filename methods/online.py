@@ -34,7 +34,7 @@ import torch
 
 from methods.costs import ContextCost
 from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, ShadowTree, TreePlan,
-                                 batched_seconds, best_policy, best_tree, plan, policy_plan)
+                                 batched_seconds, best_policy, best_tree, evaluate, plan, policy_plan)
 
 
 class CostCorrection:
@@ -104,10 +104,12 @@ class AdaptiveTreePlan:
 
     def __init__(self, stats: NodeStats, cost_at: CostAt, contexts: Sequence[int], sources: dict | None = None,
                  draft: Callable[[int], DraftCost] | None = None, every: int = 32, prior_steps: float = 32.0,
-                 hysteresis: float = 0.02, probe: tuple[int, int] = (2, 128), memory: float = 512.0):
+                 hysteresis: float = 0.02, probe: tuple[int, int] = (2, 128), memory: float = 512.0, rows: int = 1):
         self.stats, self.cost_at, self.contexts, self.draft = stats, cost_at, tuple(contexts), draft
         self.every, self.prior, self.hysteresis, self.probe = every, prior_steps, hysteresis, probe
-        self.initial = self.plan = plan(stats, lambda c: cost_at(c, None), contexts, sources=sources, draft=draft)
+        self.rows = rows  # a batch's: one tree for every context (a step feeds the largest of its rows' trees)
+        self.initial = self.plan = plan(stats, lambda c: cost_at(c, None), contexts, sources=sources, draft=draft,
+                                        rows=rows)
         self.sources = self.initial.sources
         self.cost = CostCorrection()
         self.accepted: dict[int, float] = defaultdict(float)  # per depth: accepted nodes of the verified trees
@@ -228,14 +230,7 @@ class AdaptiveTreePlan:
 
     def _speed(self, stats: NodeStats, tree: Sequence[RankPath], cost: ContextCost, context: int) -> float:
         """Expected tokens per second of ``tree`` under ``stats`` and ``cost``."""
-        if not tree:
-            return 1 / cost.seconds(1)
-        depth = max(map(len, tree))
-        inner = len({p[:-1] for p in tree if len(p) > 1})
-        drafting = self.draft(context).seconds(depth, inner) if self.draft else 0.0
-        tokens = 1 + stats.draft_rate * sum(stats.probs.get(p, 0.0) for p in tree)
-        seconds = stats.draft_rate * (cost.seconds(len(tree) + 1) + drafting) + (1 - stats.draft_rate) * cost.seconds(1)
-        return tokens / seconds
+        return evaluate(stats, tree, cost.seconds, context, self.draft(context) if self.draft else None).tokens_per_s
 
     def _replan(self, context: int) -> None:
         """Choose again at this context's calibrated length (the plan's bucket here); only where that differs from
@@ -245,7 +240,12 @@ class AdaptiveTreePlan:
         stats = self.corrected()
         cost_at = lambda c: self.cost_at(c, self.cost)  # noqa: E731 -- the corrected cost, per context
         here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
-        new_tree = best_tree(stats, cost_at(here), None, here, self.draft(here) if self.draft else None).paths
+        fresh = None
+        if self.rows > 1:  # one tree for every context (tree_search._one_tree): the whole plan is the choice
+            fresh = plan(stats, cost_at, self.contexts, sources=self.sources, draft=self.draft, rows=self.rows)
+            new_tree = fresh.trees[fresh.index(context)]
+        else:
+            new_tree = best_tree(stats, cost_at(here), None, here, self.draft(here) if self.draft else None).paths
         old_tree = self.plan.trees[self.plan.index(context)]
         if new_tree == old_tree:
             return
@@ -253,7 +253,8 @@ class AdaptiveTreePlan:
         gain = self._speed(stats, new_tree, cost, context) / self._speed(stats, old_tree, cost, context) - 1
         if cost.seconds(len(new_tree) + 1) >= cost.seconds(len(old_tree) + 1) and gain <= self.hysteresis:
             return  # a dearer tree must win by more than the hysteresis; a cheaper one the planner prefers is taken
-        self.plan = plan(stats, cost_at, self.contexts, sources=self.sources, draft=self.draft)
+        self.plan = fresh if fresh is not None else plan(stats, cost_at, self.contexts, sources=self.sources,
+                                                         draft=self.draft)
         self.version += 1
         self.changes.append({"step": self.steps, "context": context, "from_nodes": len(old_tree),
                              "to_nodes": len(new_tree), "to": [list(p) for p in new_tree],

@@ -13,7 +13,7 @@ from methods.drafter import Drafter
 from methods.engine import Engine
 from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan, CostCorrection, _policy_speed
 from methods.recycling import TokenRecycling
-from methods.tree_search import NodeStats, StepOption, batched_seconds, best_policy, best_tree
+from methods.tree_search import NodeStats, StepOption, batched_seconds, best_policy, best_tree, evaluate, plan
 
 SIZES = tuple(range(1, 17))
 CONTEXTS = (128, 512)
@@ -284,6 +284,30 @@ def test_a_batch_step_that_every_row_reports_counts_once():
     for _ in range(160 * 8):
         policy.observe_cost(200, 1, steep_ms(1, 128) / 1000, 1 / 8)
     assert policy.steps == 160 and policy.cost.describe()["steps_by_fed_size"] == {"1": 160}
+
+
+def test_a_batch_drafts_one_tree_at_every_context_since_a_step_feeds_its_rows_largest():
+    """Alone, a sequence drafts a tree at a short context and none at a long one. Rows at both contexts share a step
+    that feeds the larger block, so at 8 rows the plan holds one tree for every context: of the trees the contexts
+    chose, the one of more tokens over seconds summed over the contexts (here none: the long context would pay 60 ms
+    a node, the short one saves less than that)."""
+    stats = NodeStats(PROBS, steps=400)
+    cost_at = lambda c: (lambda q: (60 + (2 if c == 128 else 60) * (q - 1)) / 1000)  # noqa: E731
+    alone = plan(stats, cost_at, CONTEXTS)
+    assert alone.trees[alone.index(100)] and not alone.trees[alone.index(1000)]
+    batch = plan(stats, cost_at, CONTEXTS, rows=8)
+    assert len(batch.trees) == 1
+
+    def speed(tree):
+        predicted = [evaluate(stats, tree, cost_at(c), c) for c in CONTEXTS]
+        return sum(p.expected_tokens for p in predicted) / sum(p.step_ms for p in predicted)
+
+    assert batch.trees[0] == max(alone.trees, key=lambda t: (speed(t), -len(t))) == ()
+    cheap = plan(stats, lambda c: (lambda q: (60 + (2 if c == 128 else 3) * (q - 1)) / 1000), CONTEXTS, rows=8)
+    assert len(cheap.trees) == 1 and cheap.trees[0]  # where a tree pays at every context, the batch drafts it
+    online = AdaptiveTreePlan(stats, lambda c, correction=None: noisy_curve(spread=0.02).at(c, None, correction),
+                              CONTEXTS, rows=8)
+    assert len(online.trees) == 1
 
 
 def test_a_plan_that_changes_mid_answer_keeps_the_output_greedy():
