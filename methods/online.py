@@ -118,6 +118,7 @@ class AdaptiveTreePlan:
         self.steps = self.drafting = 0  # the rows' steps (a batch's step counts once per row)
         self.elapsed = self._replanned = 0.0  # the steps of the batch (of the one sequence at batch size 1)
         self.shadows: list[ShadowTree] = []  # candidate trees scored beside every step (one per row of a batch)
+        self._proposals = 0
         self.memory = memory
         self.evidence: dict[RankPath, float] = {}  # per candidate node: the shadows' fading count of its acceptance
         self.evidence_steps = 0.0  # the fading count of the steps they scored
@@ -136,7 +137,8 @@ class AdaptiveTreePlan:
         is smaller than two nodes the two most accepted nodes. Steps of one size alone cannot tell a machine that
         runs slower overall from blocks that cost more than calibrated, and a plan that drafts nothing would never
         see the acceptance that could make it draft again."""
-        return self.steps >= self.probe[1] and self.steps % self.probe[1] < self.probe[0]
+        steps = int(self.elapsed + 1e-6)  # of the batch: a probe step verifies the probe tree in every row
+        return steps >= self.probe[1] and steps % self.probe[1] < self.probe[0]
 
     @property
     def trees(self) -> list[tuple[RankPath, ...]]:
@@ -175,6 +177,13 @@ class AdaptiveTreePlan:
         """Take the exact acceptance of every node of ``shadow`` (the candidate tree, scored at every step) instead
         of the verified trees' acceptance by depth."""
         self.shadows.append(shadow)
+
+    def scores(self) -> bool:
+        """Whether the row proposing now scores its shadow: every row at batch size 1; at B rows one proposal in
+        B + 1 (the row scored moves from step to step), so that a step's shadow work (filling and scoring the
+        candidate tree) does not grow with the batch, nor the evidence per second."""
+        self._proposals += 1
+        return self.rows == 1 or self._proposals % (self.rows + 1) == 0
 
     def _absorb(self) -> None:
         """Add the followed shadows' counts since the last call to the run's evidence, older evidence fading with

@@ -107,7 +107,7 @@ class TokenRecycling(Drafter):
             self._write(prompt, prefill_logits, priority=torch.arange(len(prompt), device=prompt.device))
 
     def propose(self, ids: list[int]) -> Draft | None:
-        if self.shadow is not None:
+        if self.shadow is not None and self.plan.scores():
             self.shadow.add(self._fill(self._shadow_tokens, self._shadow_levels, ids[-1]))
         shape, levels = self._tree(self.plan.trees[self.plan.index(len(ids))])
         if shape is None:  # the plan found no tree worth its cost at this context length

@@ -141,6 +141,10 @@ class TreePlan:
         """A candidate tree the drafter scores in the shadow of every step (a fixed plan ignores it;
         methods.online's takes its exact acceptance of every node, drafting or not)."""
 
+    def scores(self) -> bool:
+        """Whether the drafter proposing now scores its shadow (always, for a fixed plan)."""
+        return True
+
     def report(self) -> dict:
         """What the plan did during a turn, for the turn's record ({} for a fixed plan)."""
         return {}

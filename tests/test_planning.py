@@ -257,9 +257,9 @@ def test_the_runs_own_steps_narrow_a_sizes_cost_only_as_far_as_they_agree():
 
 
 def test_a_batch_step_that_every_row_reports_counts_once():
-    """B rows report the same step (its fed size and seconds): the cost correction, its precision and the re-plan
-    cadence are those of one step, not of B independent ones (which would take the calibration's uncertainty away
-    sqrt(B) times too fast and re-plan B times as often)."""
+    """B rows report the same step (its fed size and seconds): the cost correction, its precision, the re-plan and
+    probe cadences are those of one step, not of B independent ones (which would take the calibration's uncertainty
+    away sqrt(B) times too fast, re-plan and probe B times as often); and about one row a step scores the shadow."""
     rng = random.Random(7)
     times = [0.080 * (1 + rng.uniform(-0.05, 0.05)) for _ in range(40)]
     alone, batch = CostCorrection(), CostCorrection()
@@ -272,13 +272,18 @@ def test_a_batch_step_that_every_row_reports_counts_once():
     curve = noisy_curve(spread=0.02, step=steep_ms)
     for rows in (1, 8):
         plan = AdaptiveTreePlan(NodeStats(PROBS, steps=400), lambda c, correction=None: curve.at(c, None, correction),
-                                CONTEXTS, every=16)
+                                CONTEXTS, every=16, rows=rows)
         replans: list[int] = []
         plan._replan = replans.append  # count the re-plans (each takes milliseconds)
-        for _ in range(160):  # 160 steps of the batch, each reported by every row
+        probes = scored = 0
+        for _ in range(300):  # 300 steps of the batch, each proposed and reported by every row
+            probes += plan.probing
+            scored += sum(plan.scores() for _ in range(rows))
             for _ in range(rows):
                 plan.observe(200, 1, steep_ms(1, 128) / 1000, [], 1 / rows)
-        assert len(replans) == 10 and plan.steps == rows * 160
+        assert len(replans) == 18 and plan.steps == rows * 300
+        assert probes == 4  # steps 128, 129, 256, 257 of the batch: a probe feeds every row's probe tree
+        assert scored == (300 if rows == 1 else 300 * 8 // 9)  # a step's shadow work does not grow with the rows
     policy = AdaptivePolicyPlan({0: {(0, 0): 100}}, lambda c, correction=None: curve.at(c, None, correction), CONTEXTS,
                                 aux_nodes=lambda c: 0, max_chain=8, every=16, rows=8)
     for _ in range(160 * 8):
