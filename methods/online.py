@@ -17,7 +17,10 @@ size it fed and the accepted path to the drafter, which passes them here:
   two sizes;
 * every ``every`` (32) steps the plan is made anew from the corrected inputs (so with their uncertainty: the cheapest tree
   the fastest does not clearly beat); where its tree for the current context differs, it is taken if it is the
-  cheaper one, or if it beats the current one under the corrected inputs by more than ``hysteresis``.
+  cheaper one, or if it beats the current one under the corrected inputs by more than ``hysteresis``;
+* in a batch (:mod:`methods.batch`) every row reports the shared step (``Step.rows``): the cadences above and the cost
+  count steps of the batch, each row's acceptance counts as its own, and a tree plan holds one tree for every
+  context (a step feeds the largest of its rows' trees).
 
 Only the tree changes, never the acceptance rule, so the output stays the baseline's. Every change is recorded
 (step, context, trees, the corrections behind it) and reported with the turn (``Drafter.finish``).
@@ -64,7 +67,7 @@ class CostCorrection:
             w = weight
             self.n, self.sx, self.sxx, self.sy, self.sxy = (self.n + w, self.sx + w * x, self.sxx + w * x * x,
                                                             self.sy + w * y, self.sxy + w * x * y)
-            own = self.by_size[fed]
+            own = self.by_size[fed]  # weighted: n counts steps (of the batch), not the rows that reported them
             own[0], own[1], own[2] = own[0] + w, own[1] + w * y, own[2] + w * y * y
 
     def coefficients(self) -> tuple[float, float]:
@@ -118,7 +121,7 @@ class AdaptiveTreePlan:
         self.steps = self.drafting = 0  # the rows' steps (a batch's step counts once per row)
         self.elapsed = self._replanned = 0.0  # the steps of the batch (of the one sequence at batch size 1)
         self.shadows: list[ShadowTree] = []  # candidate trees scored beside every step (one per row of a batch)
-        self._proposals = 0
+        self._proposals = 0  # the rows' propose calls so far (which of them scores its shadow: scores())
         self.memory = memory
         self.evidence: dict[RankPath, float] = {}  # per candidate node: the shadows' fading count of its acceptance
         self.evidence_steps = 0.0  # the fading count of the steps they scored
