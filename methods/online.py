@@ -19,8 +19,8 @@ size it fed and the accepted path to the drafter, which passes them here:
   the fastest does not clearly beat); where its tree for the current context differs, it is taken if it is the
   cheaper one, or if it beats the current one under the corrected inputs by more than ``hysteresis``;
 * in a batch (:mod:`methods.batch`) every row reports the shared step (``Step.rows``): the cadences above and the cost
-  count steps of the batch, each row's acceptance counts as its own, and a tree plan holds one tree for every
-  context (a step feeds the largest of its rows' trees).
+  count steps of the batch, each row's acceptance counts as its own, and a plan holds one tree (one SAM policy) for
+  every context (a step feeds the largest of its rows' blocks).
 
 Only the tree changes, never the acceptance rule, so the output stays the baseline's. Every change is recorded
 (step, context, trees, the corrections behind it) and reported with the turn (``Drafter.finish``).
@@ -37,7 +37,7 @@ import torch
 
 from methods.costs import ContextCost
 from methods.tree_search import (ClassCounts, DraftCost, NodeStats, PolicyPlan, RankPath, ShadowTree, TreePlan,
-                                 batched_seconds, best_policy, best_tree, evaluate, plan, policy_plan)
+                                 best_policy, best_tree, evaluate, plan, policy_plan, policy_speed)
 
 
 class CostCorrection:
@@ -327,7 +327,8 @@ class AdaptivePolicyPlan:
 
     def _replan(self, context: int) -> None:
         """Choose again at this context's calibrated length; only where that differs from the policy in use and is
-        to be taken, make the whole plan anew from the offline and the run's counts."""
+        to be taken, make the whole plan anew from the offline and the run's counts. In a batch the whole plan is
+        the choice (one policy for every context: :func:`methods.tree_search.policy_plan`)."""
         self._replanned = self.steps
         counts: dict[int, dict[tuple[int, int], float]] = defaultdict(lambda: defaultdict(float))
         for source, weight in ((self.counts, self.weight), (self.run, 1.0)):
@@ -335,17 +336,23 @@ class AdaptivePolicyPlan:
                 for cell, n in table.items():
                     counts[klass][cell] += weight * n
         cost_at = lambda c: self.cost_at(c, self.cost)  # noqa: E731
-        here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
-        new_choice = best_policy(counts, cost_at(here), self.aux_nodes(here), self.chain_limit, here, rows=self.rows)
-        old_choice = self.plan.choices[_bucket(self.plan, context)]
-        if new_choice.options == old_choice.options:
+        fresh = None
+        if self.rows > 1:
+            fresh = policy_plan(counts, cost_at, self.contexts, self.aux_nodes, self.chain_limit, self.sources,
+                                self.rows)
+            new_choice, over = fresh.choices[0], self.contexts
+        else:
+            here = min(self.contexts, key=lambda c: abs(math.log(c / max(context, 1))))
+            new_choice, over = best_policy(counts, cost_at(here), self.aux_nodes(here), self.chain_limit, here), (here,)
+        new_options, old_options = new_choice.options, self.plan.choices[_bucket(self.plan, context)].options
+        if new_options == old_options:
             return
-        gain = new_choice.tokens_per_s / _policy_speed(old_choice.options, counts, cost_at(here),
-                                                       self.aux_nodes(here), self.rows) - 1
+        gain = policy_speed(counts, new_options, cost_at, over, self.aux_nodes, self.rows) / \
+            policy_speed(counts, old_options, cost_at, over, self.aux_nodes, self.rows) - 1
         if gain <= self.hysteresis:
             return
-        self.plan = policy_plan(counts, cost_at, self.contexts, self.aux_nodes, self.chain_limit, self.sources,
-                                self.rows)
+        self.plan = fresh if fresh is not None else policy_plan(counts, cost_at, self.contexts, self.aux_nodes,
+                                                                self.chain_limit, self.sources)
         self.version += 1
         self.changes.append({"step": round(self.steps, 2), "context": context, "to": new_choice.describe()["by_class"],
                              "predicted_gain": round(gain, 4), "cost": self.cost.describe()})
@@ -358,17 +365,3 @@ class AdaptivePolicyPlan:
 def _bucket(plan: PolicyPlan | TreePlan, context: int) -> int:
     return bisect.bisect_right(plan.bounds, context)
 
-
-def _policy_speed(options: Sequence, counts: ClassCounts, cost: ContextCost, aux_nodes: int, rows: int = 1) -> float:
-    """Expected tokens per second (per row) of a per-class policy under ``counts`` and ``cost`` (a step over
-    ``rows`` rows, its block the largest of theirs)."""
-    tokens = total = 0.0
-    shares: dict[int, float] = defaultdict(float)
-    for klass, table in counts.items():
-        option = options[min(klass, len(options) - 1)]
-        size = 1 + option.chain + (aux_nodes if option.aux else 0)
-        for (c, a), n in table.items():
-            tokens += n * (1 + max(min(c, option.chain), a if option.aux else 0))
-            shares[size] += n
-            total += n
-    return tokens / total / batched_seconds(shares, cost.seconds, rows) if total else 1 / cost.seconds(1)

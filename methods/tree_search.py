@@ -594,14 +594,59 @@ def _policy_choice(chosen: dict, weight: dict, tokens: dict, step: tuple[float, 
                         tokens_per_s=expected / step, baseline_tokens_per_s=1 / base, speedup_interval=interval)
 
 
+def evaluate_policy(counts: ClassCounts, options: Sequence[StepOption], step_seconds: Callable[[int], float],
+                    aux_nodes: int, context: int = 0, rows: int = 1) -> PolicyChoice:
+    """What the cost model predicts for a given policy (the option per class, no search) under ``counts``: its
+    tokens per step (per row) and the time of a step over ``rows`` rows (their largest block)."""
+    tokens = total = 0.0
+    shares: dict[int, float] = defaultdict(float)
+    for klass, table in counts.items():
+        option = options[min(klass, len(options) - 1)]
+        aux = option.aux and aux_nodes > 0
+        size = 1 + option.chain + (aux_nodes if aux else 0)
+        for (c, a), n in table.items():
+            tokens += n * (1 + max(min(c, option.chain), a if aux else 0))
+            shares[size] += n
+            total += n
+    reps = _replicates(step_seconds)
+    base, base_b = step_seconds(1), reps(1)
+    expected = tokens / total if total else 1.0
+    step, step_b = (float(batched_seconds(shares, step_seconds, rows)), batched_seconds(shares, reps, rows)) \
+        if total else (base, base_b)
+    interval = tuple(float(v) for v in np.quantile(expected / step_b * base_b, [0.05, 0.95]))
+    return PolicyChoice(options=tuple(options), context=context, expected_tokens=expected, step_ms=1000 * step,
+                        tokens_per_s=expected / step, baseline_tokens_per_s=1 / base, speedup_interval=interval)
+
+
+def policy_speed(counts: ClassCounts, options: Sequence[StepOption], cost_at: Callable[[int], Callable[[int], float]],
+                 contexts: Sequence[int], aux_nodes: Callable[[int], int], rows: int = 1) -> float:
+    """Tokens per second of one policy over a run whose steps are at every one of ``contexts`` alike: its tokens
+    over its seconds, each summed over the contexts."""
+    predicted = [evaluate_policy(counts, options, cost_at(c), aux_nodes(c), c, rows) for c in contexts]
+    return sum(p.expected_tokens for p in predicted) / sum(p.step_ms for p in predicted)
+
+
 def policy_plan(counts: ClassCounts, cost_at: Callable[[int], Callable[[int], float]], contexts: Sequence[int],
                 aux_nodes: Callable[[int], int], max_chain: int, sources: dict | None = None,
                 rows: int = 1) -> PolicyPlan:
     """A policy per calibrated context (``cost_at(context)``: the step cost there; the auxiliary tree's size
-    there: ``aux_nodes(context)``; ``rows``: the batch's, whose step ``cost_at`` times)."""
+    there: ``aux_nodes(context)``; ``rows``: the batch's, whose step ``cost_at`` times).
+
+    ``rows`` > 1: one policy for every context, as :func:`_one_tree` holds one tree: a step feeds the largest of
+    its rows' blocks, so a policy that verifies chains at short contexts and none at long ones makes the long rows
+    pay for the short rows' chains (SAM mode=auto ran 0.94x at 8 rows so, a quarter of its rows' steps verifying
+    a chain). Of the policies the contexts chose, the one of the most tokens over seconds summed over the contexts
+    (:func:`policy_speed`), the cheaper on a tie."""
     contexts = sorted(set(contexts))
     if not contexts:
         raise ValueError("a policy plan needs at least one calibrated context length")
     choices = [best_policy(counts, cost_at(c), aux_nodes(c), max_chain, c, rows=rows) for c in contexts]
+    if rows > 1:
+        scored = []
+        for options in {choice.options for choice in choices}:
+            predicted = [evaluate_policy(counts, options, cost_at(c), aux_nodes(c), c, rows) for c in contexts]
+            seconds = sum(p.step_ms for p in predicted)
+            scored.append((round(sum(p.expected_tokens for p in predicted) / seconds, 12), -seconds, predicted))
+        choices = max(scored, key=lambda s: s[:2])[2]
     merged, kept = _buckets(contexts, choices, lambda choice: choice.options)
     return PolicyPlan(choices=merged, bounds=kept, sources=dict(sources or {}))

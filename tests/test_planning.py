@@ -11,9 +11,10 @@ from conftest import VOCAB, tiny_llama
 from methods.costs import CostCurve
 from methods.drafter import Drafter
 from methods.engine import Engine
-from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan, CostCorrection, _policy_speed
+from methods.online import AdaptivePolicyPlan, AdaptiveTreePlan, CostCorrection
 from methods.recycling import TokenRecycling
-from methods.tree_search import NodeStats, StepOption, batched_seconds, best_policy, best_tree, evaluate, plan
+from methods.tree_search import (NodeStats, StepOption, batched_seconds, best_policy, best_tree, evaluate, plan,
+                                 policy_plan, policy_speed)
 
 SIZES = tuple(range(1, 17))
 CONTEXTS = (128, 512)
@@ -94,18 +95,11 @@ def test_a_batch_pays_for_its_longest_row_so_a_policy_for_eight_rows_cuts_its_lo
     one, two, eight = (best_policy(counts, cost, aux_nodes=0, max_chain=12, rows=rows) for rows in (1, 2, 8))
     assert one.option(8).chain == 12 and two.option(8).chain == 12  # 1 or 2 rows: the long chain pays
     assert all(o.chain == 0 for o in eight.options)  # 8 rows: 83% of steps would pay for a 13-token block
-    as_if_alone = _policy_speed(one.options, counts, AtContext(cost), 0, rows=8)
+    as_if_alone = policy_speed(counts, one.options, lambda c: cost, (0,), lambda c: 0, rows=8)
     assert as_if_alone < 0.8 * eight.tokens_per_s  # the policy chosen as for one row loses there
     rng = random.Random(6)  # the mean step of 8 rows whose classes are drawn as the counts say: the largest block's
     drawn = [max(13 if rng.random() < 0.2 else 1 for _ in range(8)) for _ in range(20000)]
     assert abs(batched_seconds({1: 0.8, 13: 0.2}, cost, 8) / (sum(map(cost, drawn)) / len(drawn)) - 1) < 0.01
-
-
-class AtContext:
-    """A step cost as plans read it at one context (``seconds``), from a function of the block size."""
-
-    def __init__(self, cost):
-        self.seconds = cost
 
 
 class Process:
@@ -313,6 +307,33 @@ def test_a_batch_drafts_one_tree_at_every_context_since_a_step_feeds_its_rows_la
     online = AdaptiveTreePlan(stats, lambda c, correction=None: noisy_curve(spread=0.02).at(c, None, correction),
                               CONTEXTS, rows=8)
     assert len(online.trees) == 1
+
+
+def test_a_batch_verifies_one_sam_policy_at_every_context_since_a_step_feeds_its_rows_largest():
+    """As a tree plan (above), SAM's policy at 8 rows is one for every context: per context it verified a chain at
+    short contexts and none at long ones, so a quarter of the rows' steps verified a chain while every step fed the
+    largest block (0.94x at 8 rows). 20% of steps match spans that accept 4 tokens."""
+    counts = {0: {(0, 0): 800}, 8: {(4, 0): 200}}
+    per_token = lambda long: (lambda c: (lambda q: (60 + (2 if c == 128 else long) * (q - 1)) / 1000))  # noqa: E731
+    none = lambda c: 0  # noqa: E731 -- no auxiliary tree
+    alone = policy_plan(counts, per_token(60), CONTEXTS, none, max_chain=8)
+    assert alone.option(100, 8).chain and not alone.option(1000, 8).chain
+    rows8 = [best_policy(counts, per_token(60)(c), 0, max_chain=8, rows=8) for c in CONTEXTS]
+    assert rows8[0].option(8).chain and not rows8[1].option(8).chain  # chosen per context, the two differ
+    batch = policy_plan(counts, per_token(60), CONTEXTS, none, max_chain=8, rows=8)
+    assert len(batch.choices) == 1 and batch.max_chain == 0  # chains at 512 would cost 60 ms a token in 83% of steps
+    cheap = policy_plan(counts, per_token(3), CONTEXTS, none, max_chain=8, rows=8)
+    assert len(cheap.choices) == 1 and cheap.option(1000, 8).chain  # where a chain pays at every context: verified
+    speed = lambda p: policy_speed(counts, p.choices[0].options, per_token(3), CONTEXTS, none, rows=8)  # noqa: E731
+    assert speed(cheap) > speed(batch)
+    curve = noisy_curve(spread=0.02)
+    online = AdaptivePolicyPlan(counts, lambda c, correction=None: curve.at(c, None, correction), CONTEXTS,
+                                aux_nodes=none, max_chain=8, every=4, rows=8)
+    for _ in range(64 * 8):  # the run's rows at both contexts match long spans that accept 8 tokens: re-planned
+        for context in (200, 1000):
+            online.observe_cost(context, 9, step_ms(9, 128) / 1000, 1 / 16)
+            online.observe_scored(8, 8, 0, context)
+    assert online.version and all(len(p.choices) == 1 for p in (online.initial, online.plan))
 
 
 def test_a_plan_that_changes_mid_answer_keeps_the_output_greedy():
