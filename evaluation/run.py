@@ -201,11 +201,10 @@ class Job:
             if self.batch is None:
                 gen = self.engine.generate(warm[1], drafter, cfg.max_new_tokens,
                                            key=generation_key(warm[0]["question_id"], 0))
-                if gen.drafter_stats.get("plan_changes"):
-                    self.warmup_stats.append(gen.drafter_stats)
+                _keep_plan_changes(gen, self.warmup_stats)
             else:  # every row once, in one batch
                 request = Request(warm[1], cfg.max_new_tokens, generation_key(warm[0]["question_id"], 0))
-                run_batch(self.batch, (_ask(request) for _ in range(self.batch_size)), drafter)
+                run_batch(self.batch, (_ask(request, self.warmup_stats) for _ in range(self.batch_size)), drafter)
         if self.results.records and drafter.state_dict():
             if self.state_path.exists():
                 drafter.load_state_dict(torch.load(self.state_path, map_location=device))
@@ -354,9 +353,16 @@ def run(cfg: DictConfig, command: Sequence[str] = ()) -> Path:
     return job.path
 
 
-def _ask(request: Request) -> Generator[Request, Generation, None]:
-    """A session of one request whose answer is not kept (a warm-up)."""
-    yield request
+def _ask(request: Request, stats: list[dict]) -> Generator[Request, Generation, None]:
+    """A session of one request whose answer is not kept (a warm-up); the plan changes it reports are, into
+    ``stats`` (a batch's rows share one plan, and each row's report holds the changes since the last row's)."""
+    _keep_plan_changes((yield request), stats)
+
+
+def _keep_plan_changes(gen: Generation, stats: list[dict]) -> None:
+    """Keep a warm-up generation's drafter report where its plan changed: the change belongs to the run."""
+    if gen.drafter_stats.get("plan_changes"):
+        stats.append(gen.drafter_stats)
 
 
 def _summary(records: list[dict], path: Path) -> None:

@@ -269,3 +269,20 @@ def test_one_host_read_per_step_for_the_whole_batch(method):
         steps = sum(1 for _ in engine.serve((session(i, p, b, outs[i]) for i, (p, b) in enumerate(qs)), drafter))
     requests = 2 * len(qs)
     assert steps > 5 and syncs.events == {"tolist": steps, "int": requests, "tensor(data)": requests}
+
+
+def test_a_batched_warm_up_records_every_plan_change_it_made_for_the_run():
+    """The warm-up's rows share the run's plan, so a change made while warming up is the run's and is recorded with
+    its first answer (evaluation.run). At B rows each row's report holds the changes since another row's: they were
+    lost at B > 1 (SAM mode=auto at 8 rows stopped drafting while warming up, unrecorded)."""
+    from evaluation.run import _ask
+
+    cost = curve(per_token_ms=6.0)
+    pessimistic = NodeStats({(0,) * d: 0.1 * 0.9 ** d for d in range(1, 9)} | {(1,): 0.02}, steps=1000)
+    plan = AdaptiveTreePlan(pessimistic, lambda c, correction=None: cost.at(c, None, correction), (16, 128), every=4,
+                            prior_steps=2, rows=2)
+    drafter = TokenRecycling(VOCAB, DEVICE, tree=plan)
+    engine, kept = BatchEngine(Engine(MODELS["llama"], EOS), 2), []
+    for _ in range(3):
+        run_batch(engine, (_ask(Request([3, 4, 5, 6] * 3, 60), kept) for _ in range(2)), drafter)
+    assert plan.version >= 1 and sum(len(stats["plan_changes"]) for stats in kept) == plan.version
