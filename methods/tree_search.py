@@ -622,7 +622,11 @@ def policy_speed(counts: ClassCounts, options: Sequence[StepOption], cost_at: Ca
                  contexts: Sequence[int], aux_nodes: Callable[[int], int], rows: int = 1) -> float:
     """Tokens per second of one policy over a run whose steps are at every one of ``contexts`` alike: its tokens
     over its seconds, each summed over the contexts."""
-    predicted = [evaluate_policy(counts, options, cost_at(c), aux_nodes(c), c, rows) for c in contexts]
+    return _summed_speed([evaluate_policy(counts, options, cost_at(c), aux_nodes(c), c, rows) for c in contexts])
+
+
+def _summed_speed(predicted: Sequence[PolicyChoice]) -> float:
+    """Tokens over milliseconds, each summed over the contexts of ``predicted``."""
     return sum(p.expected_tokens for p in predicted) / sum(p.step_ms for p in predicted)
 
 
@@ -645,8 +649,7 @@ def policy_plan(counts: ClassCounts, cost_at: Callable[[int], Callable[[int], fl
         scored = []
         for options in {choice.options for choice in choices}:
             predicted = [evaluate_policy(counts, options, cost_at(c), aux_nodes(c), c, rows) for c in contexts]
-            seconds = sum(p.step_ms for p in predicted)
-            scored.append((round(sum(p.expected_tokens for p in predicted) / seconds, 12), -seconds, predicted))
+            scored.append((round(_summed_speed(predicted), 12), -sum(p.step_ms for p in predicted), predicted))
         choices = max(scored, key=lambda s: s[:2])[2]
     merged, kept = _buckets(contexts, choices, lambda choice: choice.options)
     return PolicyPlan(choices=merged, bounds=kept, sources=dict(sources or {}))
